@@ -1,0 +1,29 @@
+# `make run`: set up .venv on first use, then the main job (a sharded training run on CPU).
+# `make test`: set up .venv on first use, then lint and the whole test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch, pinned: a bare `torch` requirement may pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/shardwise train
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/shardwise bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
