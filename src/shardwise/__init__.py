@@ -1,0 +1,35 @@
+"""shardwise: Fully Sharded Data Parallel (ZeRO-3) training for PyTorch."""
+
+from __future__ import annotations
+
+from .checkpoint.state_dict import full_state_dict, load_full_state_dict
+from .engine.distributed import init_distributed, no_sync
+from .engine.fully_shard import ShardedModule, fully_shard, shard_model
+from .engine.grad_norm import clip_grad_norm_
+from .engine.materialize import materialize
+from .engine.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    size_policy,
+    transformer_policy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "MixedPrecisionPolicy",
+    "ShardedModule",
+    "ShardingStrategy",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "init_distributed",
+    "load_full_state_dict",
+    "materialize",
+    "no_sync",
+    "shard_model",
+    "size_policy",
+    "transformer_policy",
+]

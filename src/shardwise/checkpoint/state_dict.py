@@ -1,0 +1,140 @@
+"""Full (unsharded) state dicts with the original module's keys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..engine import collectives as C
+from ..engine.sharded_param import ShardedParam
+
+
+def _sp(t: torch.Tensor) -> ShardedParam | None:
+    return getattr(t, "_sw_param", None)
+
+
+def gather_full(sp: ShardedParam) -> torch.Tensor:
+    """The full tensor of one sharded parameter, on its compute device, original dtype."""
+    if sp.is_meta:
+        raise RuntimeError(f"{sp.fqn} is still on the meta device; call sw.materialize first")
+    mesh = sp.owner.mesh  # type: ignore[attr-defined]
+    shard = sp.padded_shard.to(mesh.device)
+    if sp.shard_size == 1:
+        full = shard.clone()
+    else:
+        full = torch.empty((sp.shard_size * sp.chunk_rows, *sp.rest), dtype=shard.dtype,
+                           device=mesh.device)
+        C.all_gather(full.view(-1), shard.reshape(-1), mesh.shard_group, async_op=False)
+    return full[: sp.dim0].reshape(sp.orig_shape)
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Original FQNs -> full CPU tensors (parameters and buffers).
+
+    Every rank must call it (it all-gathers one tensor at a time). With `rank0_only`, ranks
+    other than 0 get an empty dict and hold no full tensors beyond the one in flight.
+    """
+    keep = not rank0_only or C.rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        sp = _sp(t)
+        if sp is None:
+            value = t.detach().cpu().clone()
+        elif id(sp) in done:
+            value = done[id(sp)]  # a tied parameter: same tensor under both keys
+        else:
+            value = gather_full(sp).cpu()
+            done[id(sp)] = value
+        if keep:
+            out[key] = value
+    return out
+
+
+def _check(model_sd: Mapping[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
+           strict: bool) -> str | None:
+    missing = [k for k in model_sd if k not in sd]
+    unexpected = [k for k in sd if k not in model_sd]
+    if strict and (missing or unexpected):
+        return (f"state dict does not match the model: missing keys {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{'...' if len(unexpected) > 5 else ''}")
+    for k, t in model_sd.items():
+        if k not in sd:
+            continue
+        sp = _sp(t)
+        shape = tuple(sp.orig_shape) if sp else tuple(t.shape)
+        if tuple(sd[k].shape) != shape:
+            return f"{k}: state dict has shape {tuple(sd[k].shape)}, the model has {shape}"
+    return None
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    sd: Mapping[str, torch.Tensor] | None,
+    from_rank0: bool = False,
+    strict: bool = True,
+) -> None:
+    """Load full tensors into a sharded model; each rank keeps only its rows.
+
+    Works on a model still on the meta device (its shards are allocated here). With
+    `from_rank0`, only rank 0 needs `sd`; tensors are broadcast one at a time. The state dict
+    is checked (keys, shapes) before any tensor moves, and a failure raises on every rank.
+    """
+    model_sd = model.state_dict(keep_vars=True)
+    checker = not from_rank0 or C.rank() == 0
+    err = None
+    if checker:
+        if sd is None:
+            err = "load_full_state_dict got sd=None on a rank that must provide it"
+        else:
+            err = _check(model_sd, sd, strict)
+    if not C.agree(err is None):
+        raise ValueError(err or "rank 0 rejected the state dict (see rank 0's error)")
+    broadcast = from_rank0 and C.world_size() > 1
+    device = torch.device("cpu")
+    if broadcast:
+        if C.backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # Which keys rank 0 has (all of them when strict): one small broadcast.
+        present = torch.tensor([sd is not None and k in sd for k in model_sd] if C.rank() == 0
+                               else [False] * len(model_sd), dtype=torch.uint8, device=device)
+        C.broadcast(present, src=0)
+    done: set[int] = set()
+    for i, (key, t) in enumerate(model_sd.items()):
+        sp = _sp(t)
+        if broadcast:
+            if not present[i]:
+                continue
+            shape = tuple(sp.orig_shape) if sp else tuple(t.shape)
+            dtype = sp.orig_dtype if sp else t.dtype
+            buf = sd[key].to(device, dtype) if C.rank() == 0 else torch.empty(
+                shape, dtype=dtype, device=device)
+            full = C.broadcast(buf.contiguous(), src=0)
+        else:
+            if sd is None or key not in sd:
+                continue
+            full = sd[key]
+        if sp is not None:
+            if id(sp) not in done:
+                sp.set_full(full.to(sp.orig_dtype))
+                done.add(id(sp))
+        else:
+            _set_plain(model, key, t, full)
+
+
+def _set_plain(model: nn.Module, key: str, t: torch.Tensor, full: torch.Tensor) -> None:
+    """A buffer or an unsharded (ignored) parameter: replace meta tensors, else copy."""
+    mod_name, _, name = key.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    with torch.no_grad():
+        if t.is_meta:
+            value = full.detach().clone()
+            if name in mod._buffers:
+                mod._buffers[name] = value
+            else:
+                mod._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)
+        else:
+            t.copy_(full)

@@ -1,0 +1,143 @@
+"""The only module that calls torch.distributed.
+
+Pure functions over (tensors, group): they hold no state and return what they produce
+(a result, or a `Work` handle for async ops). Everything above this layer talks about
+units and parameters; everything here talks about flat buffers and process groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Work(NamedTuple):
+    """A collective in flight: `handle` is None for ops that completed synchronously."""
+
+    handle: object | None
+    output: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.wait()  # type: ignore[attr-defined]
+        return self.output
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def global_rank_of(group: ProcessGroup | None, group_rank: int) -> int:
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def backend(group: ProcessGroup | None = None) -> str:
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def init_process_group(backend_name: str, timeout_s: float) -> None:
+    dist.init_process_group(backend_name, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def new_groups_2d(replicate: int, shard: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(shard group, replicate group) holding this rank in a replicate x shard layout.
+
+    Every rank must create every group in the same order (a torch.distributed rule), so
+    all groups are created here and only this rank's are returned.
+    """
+    me = dist.get_rank()
+    mine_shard = mine_rep = None
+    for r in range(replicate):
+        ranks = list(range(r * shard, (r + 1) * shard))
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mine_shard = g
+    for s in range(shard):
+        ranks = [r * shard + s for r in range(replicate)]
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mine_rep = g
+    assert mine_shard is not None and mine_rep is not None
+    return mine_shard, mine_rep
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool
+) -> Work:
+    """Gather equal flat `shard`s from every rank of `group` into `output` (rank-major)."""
+    handle = _all_gather_flat(output, shard, group=group, async_op=async_op)
+    return Work(handle if async_op else None, output)
+
+
+def reduce_scatter_sum(
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, async_op: bool
+) -> Work:
+    """Sum `full` (rank-major segments) across `group`; this rank keeps its segment."""
+    handle = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group,
+                                  async_op=async_op)
+    return Work(handle if async_op else None, output)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    op: str = "sum",
+    async_op: bool = False,
+) -> Work:
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    handle = dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op)
+    return Work(handle if async_op else None, tensor)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def agree(flag: bool, group: ProcessGroup | None = None) -> bool:
+    """True on every rank iff `flag` is True on every rank (one tiny all-reduce).
+
+    Used so that a check which fails on one rank raises on all of them, instead of
+    leaving the others blocked in the next collective.
+    """
+    if not is_initialized():
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32)
+    if backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item()) == 0
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default

@@ -1,0 +1,74 @@
+"""Process-group start-up from torchrun's environment, and gradient-sync control."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from . import collectives as C
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float | None = None
+) -> tuple[int, int, torch.device]:
+    """Join the process group described by torchrun's environment; return (rank, world, device).
+
+    Without torchrun's variables it starts a one-process group on 127.0.0.1, so the same
+    script runs alone. Backend: NCCL when CUDA is available, else gloo. `timeout_s` (default
+    SHARDWISE_TIMEOUT or 300) bounds every collective, so a dead rank raises instead of
+    hanging forever.
+    """
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} must be 'gloo', 'nccl' or None")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo'")
+    timeout = timeout_s if timeout_s is not None else float(
+        os.environ.get("SHARDWISE_TIMEOUT", DEFAULT_TIMEOUT_S))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not C.is_initialized():
+        C.init_process_group(backend, timeout)
+    return C.rank(), C.world_size(), device
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no communication) inside the block.
+
+    The backward after the block reduces everything accumulated, so k micro-batches (each
+    loss divided by k) give the same update as one batch k times larger.
+    """
+    units = [m for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
+    if not units:
+        raise ValueError(f"no_sync needs a sharded model; {type(model).__name__} has no units")
+    before = [m._sw_unit.requires_grad_sync for m in units]
+    for m in units:
+        m._sw_unit.requires_grad_sync = False
+    try:
+        yield
+    finally:
+        for m, b in zip(units, before):
+            m._sw_unit.requires_grad_sync = b

@@ -1,0 +1,280 @@
+"""`fully_shard` (FSDP2-style, composable) and `shard_model` (one call, four knobs)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .buffers import BufferPool
+from .hooks import forward_post_hook, forward_pre_hook, make_post_accumulate_hook
+from .policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    WrapPolicyLike,
+    resolve_wrap_policy,
+)
+from .sharded_param import ParamRef, ShardedParam
+from .unit import MeshInfo, ShardedState, Unit
+from .wrap import wrap_targets
+
+
+class ShardedModule:
+    """Mixed into a sharded module's class, so `isinstance(m, OriginalClass)` still holds."""
+
+    _sw_unit: Unit
+
+    def unshard(self) -> None:
+        """Gather this unit's full parameters onto the module (synchronously)."""
+        self._sw_unit.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the module holds only its shards."""
+        self._sw_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires: bool, *, recurse: bool = True) -> None:
+        """False: backward accumulates unsharded gradients locally, with no communication."""
+        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for m in mods:
+            unit = getattr(m, "_sw_unit", None)
+            if unit is not None:
+                unit.requires_grad_sync = bool(requires)
+
+    def set_prefetch(self, enabled: bool) -> None:
+        """Turn all-gather prefetching on or off (on by default)."""
+        unit = self._sw_unit
+        if unit.ctx is not None:
+            unit.ctx.prefetch_enabled = bool(enabled)
+        self._sw_prefetch = bool(enabled)
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, ShardedModule):
+        return cls
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def default_device() -> torch.device:
+    if C.is_initialized() and C.backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_info_for(mesh: object | None) -> MeshInfo:
+    """MeshInfo from None (the whole world), a 1-D DeviceMesh, or a 2-D one (replicate, shard)."""
+    device = default_device()
+    grank = C.rank()
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    if mesh is None:
+        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank)
+    ndim = getattr(mesh, "ndim", None)
+    if ndim == 1:
+        g = mesh.get_group()  # type: ignore[attr-defined]
+        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank)
+    if ndim == 2:
+        rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
+        return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
+                        device, grank)
+    raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: object | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
+
+    Call it on the blocks first and on the root last. The module keeps its class and gains
+    `unshard()`, `reshard()` and `set_requires_gradient_sync()`.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"fully_shard got a {type(module).__name__}, which has no forward of its own, so "
+            "its hooks would never run; shard each of its modules instead"
+        )
+    if getattr(module, "_sw_unit", None) is not None:
+        raise ValueError(f"{type(module).__name__} is already sharded")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be a bool")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy or None")
+    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy or None")
+    info = mesh_info_for(mesh)
+    ignored = {id(p) for p in (ignored_params or ())}
+    for p in ignored_params or ():
+        p._sw_ignored = True  # type: ignore[attr-defined]
+    if offload_policy is not None and offload_policy.params and info.device.type == "cuda":
+        host = torch.device("cpu")
+    else:
+        host = info.device
+
+    subtree = {id(m) for m in module.modules()}
+    new: dict[int, tuple[nn.Parameter, list[ParamRef]]] = {}
+    rehome: dict[int, tuple[ShardedParam, list[ParamRef]]] = {}
+    owner_trees: dict[int, set[int]] = {}
+    for mname, m in module.named_modules():
+        for pname, t in m._parameters.items():
+            if t is None or id(t) in ignored or getattr(t, "_sw_ignored", False):
+                continue
+            ref = ParamRef(m, pname, f"{mname}.{pname}" if mname else pname)
+            sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
+                t, "_sw_orig_of", None)
+            if sp is None:
+                new.setdefault(id(t), (t, []))[1].append(ref)
+                continue
+            owner: Unit = sp.owner  # type: ignore[attr-defined]
+            if owner is None:
+                continue
+            if id(owner) not in owner_trees:
+                owner_trees[id(owner)] = {id(x) for x in owner.module.modules()}
+            if id(m) in owner_trees[id(owner)]:
+                continue  # inside the owner's own subtree: the owner's business
+            if id(owner.module) not in subtree:
+                continue  # a sibling's parameter: the common parent will re-home it
+            rehome.setdefault(id(sp), (sp, []))[1].append(ref)
+
+    compute_dtype = mp_policy.param_dtype if mp_policy else None
+    params: list[ShardedParam] = []
+    for sp, refs in rehome.values():
+        owner = sp.owner  # type: ignore[attr-defined]
+        if owner.state is not ShardedState.SHARDED:
+            raise RuntimeError(f"cannot re-home {sp.fqn} while its unit is unsharded")
+        owner.set_params([q for q in owner.params if q is not sp])
+        sp.hook_handle.remove()  # type: ignore[attr-defined]
+        for r in refs:
+            if not any(x.module is r.module and x.name == r.name for x in sp.refs):
+                sp.refs.append(r)
+            r.module._parameters[r.name] = sp.sharded
+        params.append(sp)
+    for t, refs in new.values():
+        dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
+        sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host)
+        for r in refs:
+            r.module._parameters[r.name] = sp.sharded
+        # Later fully_shard calls on a parent find other references to the original here.
+        t._sw_orig_of = sp  # type: ignore[attr-defined]
+        if not t.is_meta:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)  # free the full copy
+        params.append(sp)
+
+    unit = Unit(module, "", params, info, reshard_after_forward, mp_policy, offload_policy,
+                BufferPool())
+    for sp in params:
+        sp.owner = unit  # type: ignore[attr-defined]
+        if sp.requires_grad:
+            sp.hook_handle = sp.unsharded.register_post_accumulate_grad_hook(  # type: ignore
+                make_post_accumulate_hook(unit))
+        else:
+            sp.hook_handle = _NoHandle()  # type: ignore[attr-defined]
+    module._sw_unit = unit  # type: ignore[attr-defined]
+    module.register_forward_pre_hook(forward_pre_hook, prepend=True, with_kwargs=True)
+    module.register_forward_hook(forward_post_hook, with_kwargs=True)
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | None:
+    world = C.world_size()
+    if strategy is ShardingStrategy.NO_SHARD:
+        return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if mesh is not None:
+            if getattr(mesh, "ndim", None) != 2:
+                raise ValueError(f"HYBRID_SHARD needs a 2-D DeviceMesh (replicate, shard), "
+                                 f"got {mesh!r}")
+            return mesh
+        local = C.env_int("LOCAL_WORLD_SIZE", world)
+        if local < 1 or world % local:
+            raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
+                             f"world size {world}")
+        shard_g, rep_g = C.new_groups_2d(world // local, local)
+        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local,
+                        default_device(), C.rank())
+    if mesh is not None and getattr(mesh, "ndim", None) == 2:
+        raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
+    return mesh
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+    auto_wrap_policy: WrapPolicyLike = "transformer",
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    cpu_offload: bool | CPUOffloadPolicy = False,
+    mesh: object | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    mp = MixedPrecisionPolicy.parse(mixed_precision)
+    offload = CPUOffloadPolicy.parse(cpu_offload)
+    policy = resolve_wrap_policy(auto_wrap_policy, model)
+    targets = wrap_targets(model, policy)
+    info = _strategy_mesh(strategy, mesh)
+    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    ignored = list(ignored_params or ())
+    for _, m in targets:
+        fully_shard(m, mesh=info, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload, ignored_params=ignored)
+    fully_shard(model, mesh=info, reshard_after_forward=reshard, mp_policy=mp,
+                offload_policy=offload, ignored_params=ignored)
+    model._sw_strategy = strategy  # type: ignore[attr-defined]
+    return model
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    return [m._sw_unit for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
+
+
+def sharded_params(model: nn.Module) -> list[ShardedParam]:
+    """Every ShardedParam under `model`, once each, in unit order."""
+    out, seen = [], set()
+    for u in units_of(model):
+        for p in u.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
+    """(FQN relative to `model`, ShardedParam) for every sharded parameter, first name wins.
+
+    Names follow `model.named_parameters()`, so tied parameters appear once.
+    """
+    out, seen = [], set()
+    for mname, m in model.named_modules():
+        for pname, t in m._parameters.items():
+            sp = getattr(t, "_sw_param", None) if t is not None else None
+            if sp is not None and id(sp) not in seen:
+                seen.add(id(sp))
+                out.append((f"{mname}.{pname}" if mname else pname, sp))
+    return out

@@ -1,0 +1,58 @@
+"""Gradient clipping by the global norm over sharded gradients."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .fully_shard import sharded_params, units_of
+
+
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Clip the gradients of a sharded model in place; return the total (unclipped) norm.
+
+    The norm is over the whole model, each parameter counted once: shards are reduced
+    across the shard group (they are disjoint), never across replicas (they are copies).
+    Every rank returns the same value. Parameters that no unit owns (ignored parameters)
+    are the same on every rank and are counted locally.
+    """
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm={max_norm!r} must be a positive number")
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
+    sps = sharded_params(model)
+    units = units_of(model)
+    sharded_ids = {id(p.sharded) for p in sps}
+    shard_grads = [p.sharded.grad for p in sps if p.sharded.grad is not None]
+    local_grads = [p.grad for p in model.parameters()
+                   if id(p) not in sharded_ids and p.grad is not None]
+    device = units[0].mesh.device if units else torch.device("cpu")
+
+    def partial(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch.stack([g.detach().float().norm(norm_type).to(device) for g in grads])
+        return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+
+    total = partial(shard_grads)
+    if units and units[0].mesh.shard_size > 1:
+        C.all_reduce(total, units[0].mesh.shard_group,
+                     op="max" if norm_type == math.inf else "sum")
+    extra = partial(local_grads)
+    if norm_type == math.inf:
+        total = torch.maximum(total, extra)
+    else:
+        total = (total + extra).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in shard_grads + local_grads:
+            g.mul_(coef.to(g.device, g.dtype))
+    return total

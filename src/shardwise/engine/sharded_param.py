@@ -1,0 +1,178 @@
+"""One parameter: its shard, its unsharded form, and the views between them.
+
+[Note: layout] A parameter of shape (D0, *rest) is padded on dim 0 to S * C rows with
+C = ceil(D0 / S) (S = shard-group size) and chunked `torch.chunk`-style: shard-group rank r
+owns rows [r*C, min((r+1)*C, D0)). The *sharded* parameter the optimizer sees is exactly
+those valid rows (possibly zero of them); it is a view into a padded (C, *rest) buffer so the
+all-gather can send fixed-size chunks without copying padding around. A 0-d parameter is
+treated as shape (1,). The *unsharded* parameter is a view of the first D0 rows of a padded
+(S*C, *rest) buffer whose storage exists only while the unit is unsharded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamRef:
+    """Where a module holds the parameter: `module._parameters[name]` (aliases: several)."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+
+
+class ShardedParam:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        refs: list[ParamRef],
+        shard_rank: int,
+        shard_size: int,
+        device: torch.device,
+        compute_dtype: torch.dtype | None,
+        host_device: torch.device | None = None,
+    ) -> None:
+        # Every place the module tree refers to this parameter; the first names it.
+        self.refs = refs
+        self.fqn = refs[0].fqn
+        self.orig_shape = param.shape
+        self.orig_dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.shard_rank = shard_rank
+        self.shard_size = shard_size
+        # Compute/communication dtype of the unsharded parameter (mixed precision).
+        self.compute_dtype = compute_dtype or param.dtype
+        # Where compute happens vs where the shard is stored (differ under CPU offload).
+        self.device = device
+        self.host_device = host_device or device
+
+        shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
+        self.dim0 = shape2d[0]
+        self.rest = shape2d[1:]
+        self.row_numel = math.prod(self.rest)
+        self.chunk_rows = -(-self.dim0 // shard_size)  # ceil
+        self.row_start = min(shard_rank * self.chunk_rows, self.dim0)
+        self.row_end = min((shard_rank + 1) * self.chunk_rows, self.dim0)
+        # Elements of one padded shard: what each rank contributes to an all-gather.
+        self.chunk_numel = self.chunk_rows * self.row_numel
+
+        self._padded_shard = torch.zeros(
+            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self._shard_device(param)
+        )
+        if not param.is_meta:
+            with torch.no_grad():
+                rows = param.detach().reshape(shape2d)[self.row_start : self.row_end]
+                self._padded_shard[: self.local_rows].copy_(rows)
+        self.sharded = nn.Parameter(
+            self._padded_shard[: self.local_rows], requires_grad=self.requires_grad
+        )
+        self.sharded._sw_param = self  # type: ignore[attr-defined]
+
+        # Direct: one rank holds everything in the compute dtype on the compute device, so
+        # the sharded parameter *is* the unsharded one (NO_SHARD without casts).
+        self.direct = (
+            shard_size == 1
+            and self.compute_dtype == self.orig_dtype
+            and self.host_device == self.device
+        )
+        if self.direct:
+            self._full_padded = self._padded_shard
+            self.unsharded = self.sharded
+        else:
+            full = torch.empty(
+                (shard_size * self.chunk_rows, *self.rest),
+                dtype=self.compute_dtype,
+                device="meta" if param.is_meta else device,
+            )
+            self._full_padded = full
+            self.unsharded = nn.Parameter(
+                full[: self.dim0].view(self.orig_shape), requires_grad=self.requires_grad
+            )
+            self.unsharded._sw_param = self  # type: ignore[attr-defined]
+            self.free_unsharded()
+
+    def _shard_device(self, param: torch.Tensor) -> torch.device:
+        return torch.device("meta") if param.is_meta else self.host_device
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def is_meta(self) -> bool:
+        return self._padded_shard.is_meta
+
+    @property
+    def padded_shard(self) -> torch.Tensor:
+        """(C, *rest): this rank's chunk, padding rows (always zero) included."""
+        return self._padded_shard
+
+    @property
+    def full_padded(self) -> torch.Tensor:
+        """(S*C, *rest) buffer behind the unsharded parameter."""
+        return self._full_padded
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (original-shape) tensor."""
+        return full.reshape(self.dim0, *self.rest)[self.row_start : self.row_end]
+
+    # --- unsharded storage: exists only between unshard and reshard -----------------
+
+    def alloc_unsharded(self) -> None:
+        if self.direct:
+            return
+        storage = self._full_padded.untyped_storage()
+        nbytes = self._full_padded.numel() * self._full_padded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_unsharded(self) -> None:
+        if self.direct or self._full_padded.is_meta:
+            return
+        storage = self._full_padded.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def unsharded_rows_view(self) -> torch.Tensor:
+        """(S, C * row_numel) view of the unsharded buffer: row r is rank r's chunk."""
+        return self._full_padded.data.view(self.shard_size, self.chunk_numel)
+
+    # --- materialization (meta -> real) ------------------------------------------------
+
+    def materialize(self) -> None:
+        """Allocate this rank's shard (zeros) and the unsharded buffer for a meta param."""
+        if not self.is_meta:
+            return
+        padded = torch.zeros(
+            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
+        )
+        self._padded_shard = padded
+        # Keep the Parameter objects: the optimizer or the user may already hold them.
+        self.sharded.data = padded[: self.local_rows]
+        if self.direct:
+            self._full_padded = padded
+            return
+        full = torch.empty(
+            (self.shard_size * self.chunk_rows, *self.rest),
+            dtype=self.compute_dtype,
+            device=self.device,
+        )
+        self._full_padded = full
+        self.unsharded.data = full[: self.dim0].view(self.orig_shape)
+        self.free_unsharded()
+
+    def set_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full tensor `full` into the shard."""
+        if tuple(full.shape) != tuple(self.orig_shape):
+            raise ValueError(
+                f"{self.fqn}: got shape {tuple(full.shape)}, expected {tuple(self.orig_shape)}"
+            )
+        self.materialize()
+        with torch.no_grad():
+            self._padded_shard[: self.local_rows].copy_(self.local_slice(full))

@@ -1,0 +1,320 @@
+"""One unit: the parameters of one `fully_shard` call, gathered and reduced together.
+
+A unit moves all of its parameters through one flat buffer per communication dtype: one
+all-gather to unshard, one reduce-scatter (plus an all-reduce across replicas for
+HYBRID_SHARD, or only an all-reduce for NO_SHARD) to reduce gradients. State transitions
+live here and are checked at entry (see `ShardedState`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..observe.events import Event, now
+from . import collectives as C
+from .buffers import BufferPool
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .sharded_param import ShardedParam
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"  # only shards exist
+    GATHERING = "gathering"  # all-gather issued, not yet waited
+    UNSHARDED = "unsharded"  # full parameters registered on the modules
+
+
+@dataclass
+class MeshInfo:
+    """The process groups a unit communicates over."""
+
+    shard_group: ProcessGroup | None
+    shard_rank: int
+    shard_size: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    device: torch.device
+    global_rank: int = 0
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: gradients are averaged over all of them."""
+        return self.shard_size * self.replicate_size
+
+
+@dataclass
+class CommGroup:
+    """Parameters of a unit that share a communication dtype, and their flat layout."""
+
+    dtype: torch.dtype
+    params: list[ShardedParam]
+    offsets: list[int] = field(default_factory=list)  # into one rank's all-gather chunk
+    numel: int = 0  # one rank's chunk
+    grad_params: list[ShardedParam] = field(default_factory=list)
+    grad_offsets: list[int] = field(default_factory=list)
+    grad_numel: int = 0
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            self.offsets.append(self.numel)
+            self.numel += p.chunk_numel
+            if p.requires_grad:
+                self.grad_params.append(p)
+                self.grad_offsets.append(self.grad_numel)
+                self.grad_numel += p.chunk_numel
+
+
+@dataclass
+class _PendingGather:
+    group: CommGroup
+    send: torch.Tensor
+    out: torch.Tensor
+    work: C.Work
+    start: float
+
+
+@dataclass
+class PendingReduce:
+    unit: Unit
+    group: CommGroup
+    send: torch.Tensor | None
+    out: torch.Tensor
+    work: C.Work
+    start: float
+
+
+class Unit:
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        params: list[ShardedParam],
+        mesh: MeshInfo,
+        reshard_after_forward: bool,
+        mp: MixedPrecisionPolicy | None,
+        offload: CPUOffloadPolicy | None,
+        pool: BufferPool,
+    ) -> None:
+        self.module = module
+        # FQN of the module within the root (filled in at lazy init; "" is the root).
+        self.name = name
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp = mp
+        self.offload = offload
+        self.pool = pool
+        self.state = ShardedState.SHARDED
+        # Set by the root at lazy init: shared per-model context (order, pending reduces).
+        self.ctx = None
+        self.is_root = False
+        # False inside no_sync(): keep unsharded gradients and reduce them later.
+        self.requires_grad_sync = True
+        # Grad-requiring params whose gradient arrived in the current backward.
+        self._grads_ready = 0
+        self._reduced_this_backward = False
+        self._gathers: list[_PendingGather] = []
+        # When the current forward/backward compute interval began (only with sinks).
+        self.t_compute = 0.0
+        self.groups: list[CommGroup] = []
+        self.params: list[ShardedParam] = []
+        self.set_params(params)
+
+    # --- parameters ------------------------------------------------------------------
+
+    def set_params(self, params: list[ShardedParam]) -> None:
+        """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
+        assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
+        self.params = list(params)
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.compute_dtype, []).append(p)
+        self.groups = [CommGroup(dtype, ps) for dtype, ps in by_dtype.items()]
+        self.n_grad_params = sum(len(g.grad_params) for g in self.groups)
+
+    @property
+    def reduce_dtype_for(self) -> dict[torch.dtype, torch.dtype]:
+        rd = self.mp.reduce_dtype if self.mp else None
+        return {g.dtype: (rd or g.dtype) for g in self.groups}
+
+    def _emit(self, phase: str, collective: str, nbytes: int, start: float) -> None:
+        ctx = self.ctx
+        if ctx is not None and ctx.sinks:
+            ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start, now(),
+                       ctx.step)
+            for sink in ctx.sinks:
+                sink(ev)
+
+    # --- unshard / reshard -------------------------------------------------------------
+
+    def unshard(self, async_op: bool = True) -> None:
+        """Issue the all-gather (idempotent: no-op unless SHARDED)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        S = self.mesh.shard_size
+        for g in self.groups:
+            if S == 1:
+                continue  # nothing to gather; wait_unshard() casts/copies locally
+            start = now()
+            send = self.pool.get(g.numel, g.dtype, self.mesh.device)
+            with torch.no_grad():
+                for p, off in zip(g.params, g.offsets):
+                    # Casts to the compute dtype and, under offload, copies host -> device.
+                    send[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
+                                                          non_blocking=True)
+            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+            work = C.all_gather(out, send, self.mesh.shard_group, async_op)
+            self._gathers.append(_PendingGather(g, send, out, work, start))
+        self.state = ShardedState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """Make the full parameters available on the modules (gathering first if needed)."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False)
+        S = self.mesh.shard_size
+        with torch.no_grad():
+            for pg in self._gathers:
+                pg.work.wait()
+                self.pool.release(pg.send)
+                rows = pg.out.view(S, pg.group.numel)
+                for p, off in zip(pg.group.params, pg.group.offsets):
+                    p.alloc_unsharded()
+                    # `.data` so the copy does not bump the autograd version counter that
+                    # tensors saved in forward check in backward (they alias this storage).
+                    p.unsharded_rows_view().copy_(rows[:, off : off + p.chunk_numel])
+                self.pool.release(pg.out)
+                self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
+                           pg.start)
+            if S == 1:
+                for p in self.params:
+                    if not p.direct:
+                        p.alloc_unsharded()
+                        p.full_padded.data.copy_(p.padded_shard, non_blocking=True)
+        self._gathers.clear()
+        for p in self.params:
+            for ref in p.refs:
+                ref.module._parameters[ref.name] = p.unsharded
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules see the shards again."""
+        if self.state is ShardedState.SHARDED:
+            return
+        if self.state is ShardedState.GATHERING:
+            # Collectives must complete on every rank before their buffers go back.
+            self.wait_unshard()
+        start = now()
+        for p in self.params:
+            for ref in p.refs:
+                ref.module._parameters[ref.name] = p.sharded
+            p.free_unsharded()
+        self.state = ShardedState.SHARDED
+        self._emit("reshard", "", 0, start)
+
+    # --- gradients ----------------------------------------------------------------------
+
+    def on_grad_ready(self) -> None:
+        """Called once per grad-requiring parameter per backward (post-accumulate hook)."""
+        self._grads_ready += 1
+        if self._grads_ready == self.n_grad_params:
+            self.post_backward()
+
+    def post_backward(self) -> list[PendingReduce]:
+        """Reduce this unit's gradients (async) and reshard. Idempotent per backward."""
+        if self._reduced_this_backward:
+            return []
+        self._reduced_this_backward = True
+        if self.ctx is not None and self.ctx.sinks:
+            self._emit("backward", "", 0, self.t_compute)
+        pending: list[PendingReduce] = []
+        if self.requires_grad_sync and self.n_grad_params:
+            pending = self._reduce_grads()
+        if self.ctx is not None:
+            for pr in pending:
+                self.ctx.add_pending_reduce(pr)
+        self.reshard()
+        return pending
+
+    def _reduce_grads(self) -> list[PendingReduce]:
+        S, mesh = self.mesh.shard_size, self.mesh
+        rdt = self.reduce_dtype_for
+        pending = []
+        with torch.no_grad():
+            for g in self.groups:
+                if not g.grad_params:
+                    continue
+                start = now()
+                dtype = rdt[g.dtype]
+                # With S == 1 the packed buffer becomes the gradients: not pooled.
+                send = (self.pool.get(g.grad_numel * S, dtype, mesh.device) if S > 1
+                        else torch.empty(g.grad_numel, dtype=dtype, device=mesh.device))
+                rows = send.view(S, g.grad_numel)
+                for p, off in zip(g.grad_params, g.grad_offsets):
+                    _pack_grad(p, rows[:, off : off + p.chunk_numel])
+                    if not p.direct:
+                        p.unsharded.grad = None  # free the full gradient right away
+                if S > 1:
+                    out = torch.empty(g.grad_numel, dtype=dtype, device=mesh.device)
+                    work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True)
+                    pending.append(PendingReduce(self, g, send, out, work, start))
+                else:
+                    work = C.all_reduce(send, mesh.replicate_group, async_op=True) \
+                        if mesh.replicate_size > 1 else C.Work(None, send)
+                    pending.append(PendingReduce(self, g, None, send, work, start))
+        return pending
+
+    def finish_reduce(self, pr: PendingReduce) -> None:
+        """Wait for a reduction and write the result into the sharded gradients."""
+        out = pr.work.wait()
+        mesh = self.mesh
+        nbytes = pr.out.numel() * pr.out.element_size()
+        if pr.send is not None:
+            self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start)
+            self.pool.release(pr.send)
+            if mesh.replicate_size > 1:
+                start = now()
+                C.all_reduce(out, mesh.replicate_group)
+                self._emit("all_reduce", "all_reduce", nbytes, start)
+        elif mesh.replicate_size > 1:
+            self._emit("all_reduce", "all_reduce", nbytes, pr.start)
+        # Sum then divide: the mean over ranks of each rank's mean loss gradient.
+        out.div_(mesh.dp_size)
+        with torch.no_grad():
+            for p, off in zip(pr.group.grad_params, pr.group.grad_offsets):
+                n = p.local_rows * p.row_numel
+                grad = out[off : off + n].view(p.sharded.shape)
+                if grad.dtype != p.orig_dtype or grad.device != p.host_device:
+                    grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
+                if p.direct or p.sharded.grad is None:
+                    # Direct params accumulated locally; the reduced sum replaces it.
+                    p.sharded.grad = grad
+                else:
+                    p.sharded.grad.add_(grad)
+
+    def start_backward(self) -> None:
+        self._grads_ready = 0
+        self._reduced_this_backward = False
+
+
+def _pack_grad(p: ShardedParam, dst: torch.Tensor) -> None:
+    """Copy p's unsharded gradient into (S, C*row_numel) rank-major rows, zero-padded."""
+    grad = p.unsharded.grad
+    if grad is None:
+        dst.zero_()
+        return
+    flat = grad.reshape(-1)
+    chunk = p.chunk_numel
+    full_ranks = p.dim0 // p.chunk_rows
+    if full_ranks:
+        dst[:full_ranks].copy_(flat[: full_ranks * chunk].view(full_ranks, chunk))
+    tail = flat.numel() - full_ranks * chunk
+    if full_ranks < dst.shape[0]:
+        if tail:
+            dst[full_ranks, :tail].copy_(flat[full_ranks * chunk :])
+        dst[full_ranks, tail:].zero_()
+        dst[full_ranks + 1 :].zero_()

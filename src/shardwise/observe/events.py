@@ -1,0 +1,52 @@
+"""The one event schema: what the engine did, when, and how many bytes it moved.
+
+The engine emits an `Event` only when a sink is attached to the model (`attach_sink`); with no
+sink, the hot path pays one empty-list check. Everything that observes a run (metrics, traces,
+the explorer) reads these events, so this file is the schema's single definition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+# phase: what the unit was doing; collective: which collective moved bytes ("" for compute).
+PHASES = (
+    "forward", "backward", "reshard", "optimizer", "step",
+    "all_gather", "reduce_scatter", "all_reduce",
+)
+COLLECTIVES = ("", "all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one rank.
+
+    rank: global rank that recorded it.
+    unit: the unit's name (module FQN, "" for the root), or "" for whole-step events.
+    phase: one of PHASES.
+    collective: one of COLLECTIVES ("" for compute intervals).
+    bytes: bytes this rank sent into the collective's output (0 for compute).
+    start, end: `time.perf_counter()` seconds on this rank.
+    step: the training step the event belongs to (-1 when unknown).
+    """
+
+    rank: int
+    unit: str
+    phase: str
+    collective: str
+    bytes: int
+    start: float
+    end: float
+    step: int = -1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+EventSink = Callable[[Event], None]
+
+
+def now() -> float:
+    return time.perf_counter()
