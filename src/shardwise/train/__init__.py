@@ -1,0 +1,1 @@
+"""`shardwise train`: config, model, data and the training loop."""
