@@ -138,6 +138,49 @@ def barrier(group: ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
+def _byte_device(group: ProcessGroup | None) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def _padded_bytes(data: bytes, group: ProcessGroup | None) -> tuple[torch.Tensor, list[int]]:
+    """(this rank's bytes padded to the longest rank's, every rank's length)."""
+    device = _byte_device(group)
+    n = world_size(group)
+    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = torch.empty(n, dtype=torch.int64, device=device)
+    _all_gather_flat(lengths, mine, group=group)
+    sizes = [int(x) for x in lengths.cpu()]
+    buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)  # gloo dislikes empty buffers
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.to(device), sizes
+
+
+def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's `data`, in rank order, on every rank (no pickling: raw bytes only)."""
+    if not is_initialized() or world_size(group) == 1:
+        return [data]
+    buf, sizes = _padded_bytes(data, group)
+    out = torch.empty(len(sizes) * buf.numel(), dtype=torch.uint8, device=buf.device)
+    _all_gather_flat(out, buf, group=group)
+    rows = out.view(len(sizes), buf.numel()).cpu()
+    return [rows[r, : sizes[r]].numpy().tobytes() for r in range(len(sizes))]
+
+
+def gather_bytes(data: bytes, dst: int = 0, group: ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's `data` in rank order on group rank `dst`; [] on the other ranks."""
+    if not is_initialized() or world_size(group) == 1:
+        return [data]
+    buf, sizes = _padded_bytes(data, group)
+    me = rank(group)
+    bufs = [torch.empty_like(buf) for _ in sizes] if me == dst else None
+    dist.gather(buf, bufs, dst=global_rank_of(group, dst), group=group)
+    if bufs is None:
+        return []
+    return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, sizes)]
+
+
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
