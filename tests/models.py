@@ -25,6 +25,10 @@ class Block(nn.Module):
         self.down = nn.Linear(3 * d + 1, d)
         self.gate = nn.Parameter(torch.tensor(0.7))  # 0-d: sharded as shape (1,)
 
+    def reset_parameters(self) -> None:
+        # What sw.materialize calls for parameters no submodule initializes.
+        nn.init.constant_(self.gate, 0.7)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.gate * self.down(torch.tanh(self.up(self.norm(x))))
 
@@ -40,6 +44,9 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.pos, std=0.1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos[: idx.shape[1]]

@@ -7,6 +7,7 @@ from .engine.distributed import init_distributed, no_sync
 from .engine.fully_shard import ShardedModule, fully_shard, shard_model
 from .engine.grad_norm import clip_grad_norm_
 from .engine.materialize import materialize
+from .engine.mixed_precision import ShardedGradScaler, precision_plan
 from .engine.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "MixedPrecisionPolicy",
+    "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
     "clip_grad_norm_",
@@ -29,6 +31,7 @@ __all__ = [
     "load_full_state_dict",
     "materialize",
     "no_sync",
+    "precision_plan",
     "shard_model",
     "size_policy",
     "transformer_policy",

@@ -158,7 +158,7 @@ def fully_shard(
         if owner.state is not ShardedState.SHARDED:
             raise RuntimeError(f"cannot re-home {sp.fqn} while its unit is unsharded")
         owner.set_params([q for q in owner.params if q is not sp])
-        sp.hook_handle.remove()  # type: ignore[attr-defined]
+        sp.set_grad_hook(None)
         for r in refs:
             if not any(x.module is r.module and x.name == r.name for x in sp.refs):
                 sp.refs.append(r)
@@ -166,9 +166,9 @@ def fully_shard(
         params.append(sp)
     for t, refs in new.values():
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
-        sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host)
-        for r in refs:
-            r.module._parameters[r.name] = sp.sharded
+        pin = bool(offload_policy and offload_policy.pin_memory)
+        sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
+                          pin_memory=pin)
         # Later fully_shard calls on a parent find other references to the original here.
         t._sw_orig_of = sp  # type: ignore[attr-defined]
         if not t.is_meta:
@@ -179,21 +179,12 @@ def fully_shard(
                 BufferPool())
     for sp in params:
         sp.owner = unit  # type: ignore[attr-defined]
-        if sp.requires_grad:
-            sp.hook_handle = sp.unsharded.register_post_accumulate_grad_hook(  # type: ignore
-                make_post_accumulate_hook(unit))
-        else:
-            sp.hook_handle = _NoHandle()  # type: ignore[attr-defined]
+        sp.set_grad_hook(make_post_accumulate_hook(unit))
     module._sw_unit = unit  # type: ignore[attr-defined]
     module.register_forward_pre_hook(forward_pre_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(forward_post_hook, with_kwargs=True)
     module.__class__ = _sharded_class(type(module))
     return module
-
-
-class _NoHandle:
-    def remove(self) -> None:
-        pass
 
 
 def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | None:

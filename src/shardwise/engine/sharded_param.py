@@ -37,6 +37,7 @@ class ShardedParam:
         device: torch.device,
         compute_dtype: torch.dtype | None,
         host_device: torch.device | None = None,
+        pin_memory: bool = False,
     ) -> None:
         # Every place the module tree refers to this parameter; the first names it.
         self.refs = refs
@@ -51,6 +52,8 @@ class ShardedParam:
         # Where compute happens vs where the shard is stored (differ under CPU offload).
         self.device = device
         self.host_device = host_device or device
+        # Page-locked host shards (CPU offload to a GPU): host<->device copies run async.
+        self.pin_memory = pin_memory and self.host_device.type == "cpu" and device.type == "cuda"
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
         self.dim0 = shape2d[0]
@@ -62,33 +65,40 @@ class ShardedParam:
         # Elements of one padded shard: what each rank contributes to an all-gather.
         self.chunk_numel = self.chunk_rows * self.row_numel
 
-        self._padded_shard = torch.zeros(
+        # Post-accumulate-grad hook of the owning unit (re-registered if params are rebuilt).
+        self._grad_hook = None
+        self._hook_handle = None
+        padded = torch.zeros(
             (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self._shard_device(param)
         )
         if not param.is_meta:
             with torch.no_grad():
                 rows = param.detach().reshape(shape2d)[self.row_start : self.row_end]
-                self._padded_shard[: self.local_rows].copy_(rows)
-        self.sharded = nn.Parameter(
-            self._padded_shard[: self.local_rows], requires_grad=self.requires_grad
-        )
-        self.sharded._sw_param = self  # type: ignore[attr-defined]
+                padded[: self.row_end - self.row_start].copy_(rows)
+        if self.pin_memory and not param.is_meta:
+            padded = padded.pin_memory()
+        self._build(padded, meta=param.is_meta)
 
+    def _build(self, padded: torch.Tensor, meta: bool) -> None:
+        """Create the sharded and unsharded Parameter objects around `padded`."""
+        self._padded_shard = padded
+        self.sharded = nn.Parameter(padded[: self.local_rows], requires_grad=self.requires_grad)
+        self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
         # the sharded parameter *is* the unsharded one (NO_SHARD without casts).
         self.direct = (
-            shard_size == 1
+            self.shard_size == 1
             and self.compute_dtype == self.orig_dtype
             and self.host_device == self.device
         )
         if self.direct:
-            self._full_padded = self._padded_shard
+            self._full_padded = padded
             self.unsharded = self.sharded
         else:
             full = torch.empty(
-                (shard_size * self.chunk_rows, *self.rest),
+                (self.shard_size * self.chunk_rows, *self.rest),
                 dtype=self.compute_dtype,
-                device="meta" if param.is_meta else device,
+                device="meta" if meta else self.device,
             )
             self._full_padded = full
             self.unsharded = nn.Parameter(
@@ -96,6 +106,19 @@ class ShardedParam:
             )
             self.unsharded._sw_param = self  # type: ignore[attr-defined]
             self.free_unsharded()
+        for ref in self.refs:
+            ref.module._parameters[ref.name] = self.sharded
+        if self._grad_hook is not None:
+            self.set_grad_hook(self._grad_hook)
+
+    def set_grad_hook(self, fn: object | None) -> None:
+        """Register (or clear) the unit's hook called when a full gradient has accumulated."""
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
+        self._grad_hook = fn
+        if fn is not None and self.requires_grad:
+            self._hook_handle = self.unsharded.register_post_accumulate_grad_hook(fn)
 
     def _shard_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("meta") if param.is_meta else self.host_device
@@ -146,26 +169,20 @@ class ShardedParam:
     # --- materialization (meta -> real) ------------------------------------------------
 
     def materialize(self) -> None:
-        """Allocate this rank's shard (zeros) and the unsharded buffer for a meta param."""
+        """Allocate this rank's shard (zeros) for a meta parameter.
+
+        New Parameter objects replace the meta ones on every module that refers to this
+        parameter (a meta tensor's storage cannot be swapped in place), so build the
+        optimizer after materializing.
+        """
         if not self.is_meta:
             return
         padded = torch.zeros(
             (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
         )
-        self._padded_shard = padded
-        # Keep the Parameter objects: the optimizer or the user may already hold them.
-        self.sharded.data = padded[: self.local_rows]
-        if self.direct:
-            self._full_padded = padded
-            return
-        full = torch.empty(
-            (self.shard_size * self.chunk_rows, *self.rest),
-            dtype=self.compute_dtype,
-            device=self.device,
-        )
-        self._full_padded = full
-        self.unsharded.data = full[: self.dim0].view(self.orig_shape)
-        self.free_unsharded()
+        if self.pin_memory:
+            padded = padded.pin_memory()
+        self._build(padded, meta=False)
 
     def set_full(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of the full tensor `full` into the shard."""

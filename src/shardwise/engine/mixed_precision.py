@@ -1,0 +1,123 @@
+"""Mixed precision around the engine: the precision plan and a sharded fp16 gradient scaler.
+
+The engine itself casts in `Unit` (all-gather in param_dtype, reduce in reduce_dtype, write
+fp32 master gradients); this module explains that to a user and guards fp16 training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .fully_shard import sharded_params, units_of
+
+
+def _name(dt: torch.dtype | None) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float64: "fp64"}.get(dt, str(dt).replace("torch.", ""))
+
+
+def _names(dts: Iterable[torch.dtype]) -> str:
+    return "/".join(sorted({_name(d) for d in dts})) or "-"
+
+
+def precision_plan(model: nn.Module) -> str:
+    """One line: storage, compute, communication, reduction and master dtypes of `model`."""
+    units = units_of(model)
+    if not units:
+        raise ValueError(f"{type(model).__name__} is not sharded")
+    sps = sharded_params(model)
+    compute = _names(p.compute_dtype for p in sps)
+    reduce = _names(rd for u in units for rd in u.reduce_dtype_for.values())
+    master = _names(p.orig_dtype for p in sps)
+    out = {_name(u.mp.output_dtype) for u in units if u.is_root and u.mp and u.mp.output_dtype}
+    return (f"precision plan: storage {master} shards | compute {compute} | all-gather "
+            f"{compute} | reduce {reduce} | optimizer master weights {master}"
+            + (f" | outputs {'/'.join(sorted(out))}" if out else ""))
+
+
+class ShardedGradScaler:
+    """Loss scaling for fp16 with sharded gradients.
+
+    Each rank sees only its shards, so an inf/nan may show up on one rank only; the found-inf
+    flag is all-reduced (max) so every rank skips the same steps and the scale stays in step.
+    Methods follow torch.amp.GradScaler: scale(loss), unscale_(opt), step(opt), update().
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True) -> None:
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1:
+            raise ValueError(
+                f"init_scale={init_scale} must be > 0, growth_factor={growth_factor} > 1 and "
+                f"backoff_factor={backoff_factor} in (0, 1)")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval={growth_interval} must be >= 1")
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.enabled = enabled
+        self._growth_tracker = 0
+        # Per optimizer (by id): found-inf agreed across ranks, set by unscale_.
+        self._found_inf: dict[int, bool] = {}
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value if self.enabled else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.enabled or id(optimizer) in self._found_inf:
+            return
+        inv = 1.0 / self.scale_value
+        local_inf = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    p.grad.mul_(inv)
+                    if not torch.isfinite(p.grad).all():
+                        local_inf = True
+        flag = torch.tensor([1.0 if local_inf else 0.0])
+        if C.is_initialized() and C.world_size() > 1:
+            if C.backend() == "nccl":
+                flag = flag.cuda()
+            C.all_reduce(flag, None, op="max")
+        self._found_inf[id(optimizer)] = bool(flag.item() > 0)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale if needed and step unless any rank found inf/nan. True if it stepped."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        self.unscale_(optimizer)
+        if self._found_inf[id(optimizer)]:
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        if not self.enabled:
+            return
+        if any(self._found_inf.values()):
+            self.scale_value *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self._growth_tracker = 0
+        self._found_inf.clear()
+
+    def get_scale(self) -> float:
+        return self.scale_value
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale_value, "growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale_value = float(state["scale"])
+        self._growth_tracker = int(state["growth_tracker"])
