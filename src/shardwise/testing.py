@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
-            results: Any, env: dict[str, str], coll_timeout_s: float) -> None:
+            results: Any, env: dict[str, str], coll_timeout_s: float, backend: str) -> None:
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -40,7 +40,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tupl
 
         from shardwise.engine import distributed
 
-        distributed.init_distributed("gloo", timeout_s=coll_timeout_s)
+        distributed.init_distributed(backend, timeout_s=coll_timeout_s)
         value = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -60,6 +60,7 @@ def run_distributed(
     timeout_s: float = 240.0,
     collective_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return each rank's value."""
     if world_size < 1:
@@ -69,7 +70,7 @@ def run_distributed(
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, env or {},
-                                          collective_timeout_s), daemon=True)
+                                          collective_timeout_s, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
