@@ -1,0 +1,167 @@
+"""`shardwise train`: a real sharded training run from one command.
+
+`--nproc N` starts PyTorch's own elastic launcher in-process (torchrun --standalone); under
+an existing torchrun (single- or multi-node) the command just runs on its rank. The console
+(progress bar, validation lines, summary) is printed by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from ..train import config as C
+from ..train import rundir
+
+
+def load_config(argv: list[str]) -> C.Config:
+    """Defaults < (on --resume: the run's saved config.toml) < --config FILE < the command line."""
+    values, config_path = C.parse_argv(argv)
+    file_values = C.read_toml(config_path) if config_path else {}
+    merged = {**file_values, **values}
+    cfg = rundir.resolve_name(C.build(merged))
+    if cfg.resume:
+        saved_path = rundir.Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
+        saved = C.read_toml(saved_path) if saved_path.exists() else {}
+        # Actions and placement belong to this invocation, not to the saved run.
+        for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads"):
+            saved.pop(k, None)
+        cfg = C.build({**saved, **merged, "name": cfg.name})
+    return cfg
+
+
+def _mem(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" if v >= 100 else f"{v:.1f}" for v in values) + " MB"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+class ConsoleReporter:
+    """Rank 0's console: a header, a tqdm bar, validation lines and the end summary."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.tok_s = math.nan
+
+    def start(self, info: dict[str, Any]) -> None:
+        cfg: C.Config = info["config"]
+        g = cfg.model.gpt()
+        s = cfg.shard
+        print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M params, "
+              f"{g.n_layer} layers, d={g.d_model}, context {g.block_size}) on {info['world']} "
+              f"ranks ({info['device']}, {info['threads']} threads/rank)")
+        print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
+              f", cpu_offload={s.cpu_offload}; each rank holds {info['local_params']:,} of "
+              f"{info['params']:,} parameters")
+        data = cfg.data.path or "the Python standard library's .py sources"
+        print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
+              f"{info['tokens_per_step']:,} tokens per step")
+        if info["start_step"]:
+            print(f"  resumed at step {info['start_step']}")
+        print(f"  run folder: {info['run_dir']}")
+        self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
+                        dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+
+    def step(self, record: dict[str, Any]) -> None:
+        # A smoothed rate: single steps on a shared CPU are noisy.
+        r = record["tokens_per_s"]
+        self.tok_s = r if math.isnan(self.tok_s) else 0.8 * self.tok_s + 0.2 * r
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {self.tok_s:,.0f} tok/s | "
+                                     f"mem {_mem(record['memory_mb'])}", refresh=False)
+            self.bar.update(1)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        pass  # the summary names the folder; one line per checkpoint would crowd the bar
+
+    def end(self, s: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        unsharded = [p - st + s["unsharded_state_mb"]
+                     for p, st in zip(s["peak_memory_mb"], s["state_mb"])]
+        print(f"\ndone: {s['steps']} steps in {s['wall_s']:.0f} s on {s['world']} ranks")
+        print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
+              f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
+        print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
+        kind = "GPU allocated" if s["device"] == "cuda" else "RSS"
+        print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}); "
+              f"unsharded about {_mem(unsharded)}")
+        print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
+              f"unsharded {s['unsharded_state_mb']:.1f} MB")
+        print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
+              "per step per rank (all-gather + reduce-scatter, from the engine's events)")
+        print(f"  run folder       {s['run_dir']}")
+        if s["sample"]:
+            print("\nsample:\n" + s["sample"].rstrip() + "\n")
+
+
+def worker(cfg: C.Config) -> dict[str, Any]:
+    """One rank's whole job (module-level: the launcher pickles it)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..train.trainer import run
+
+    return run(cfg, ConsoleReporter())
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(C.help_text())
+        return 0
+    from ..launch import launch, under_torchrun
+
+    if under_torchrun():
+        return _under_torchrun(argv)
+    try:
+        cfg = load_config(argv)
+    except ValueError as e:
+        print(f"shardwise train: error: {e}", file=sys.stderr)
+        return 2
+    launch(worker, cfg.nproc or default_nproc(), cfg)
+    return 0
+
+
+def _under_torchrun(argv: list[str]) -> int:
+    """Rank 0 resolves the config (and the run folder's name); every rank gets its answer.
+
+    Resolving on every rank would race: rank 0 creates the folder that another rank's
+    "never overwrite" check then finds.
+    """
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    rank, _, _ = sw.init_distributed()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = load_config(argv)
+        except ValueError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ValueError):
+        if rank == 0:
+            print(f"shardwise train: error: {box[0]}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    worker(box[0])
+    dist.destroy_process_group()
+    return 0

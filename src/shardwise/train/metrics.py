@@ -1,0 +1,78 @@
+"""What a run measures: memory per rank, bytes communicated, and the metrics.jsonl file."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from ..observe.events import Event
+
+MB = 2**20
+# Bytes per parameter of training state under AdamW in fp32: the parameter, its gradient,
+# and the two moment estimates (exp_avg, exp_avg_sq).
+STATE_BYTES_PER_PARAM = 4 + 4 + 8
+
+
+def memory_mb(device: torch.device) -> float:
+    """This process's memory now: CUDA allocated on a GPU, resident set size on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / MB
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+    except (OSError, ValueError, IndexError):  # not Linux: fall back to the peak
+        return peak_memory_mb(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The high-water mark: CUDA max allocated, or the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return peak / (MB if os.uname().sysname == "Darwin" else 1024)
+
+
+class ByteCounter:
+    """An event sink summing the bytes this rank moved through collectives, per step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, int] = {}
+        self.by_collective: dict[str, int] = {}
+
+    def __call__(self, ev: Event) -> None:
+        if ev.collective:
+            self.by_step[ev.step] = self.by_step.get(ev.step, 0) + ev.bytes
+            self.by_collective[ev.collective] = self.by_collective.get(ev.collective, 0) + ev.bytes
+
+    def last_step_bytes(self) -> int:
+        """Bytes of the last complete step seen (the first step may differ: no prefetch yet)."""
+        return self.by_step[max(self.by_step)] if self.by_step else 0
+
+
+class MetricsFile:
+    """metrics.jsonl: one JSON object per line, flushed per line so a crash loses nothing."""
+
+    REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "memory_mb")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f: IO[str] = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        missing = [k for k in self.REQUIRED if k not in record]
+        assert not missing, f"metrics record lacks {missing}"
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,121 @@
+"""The run folder `runs/<name>/`: naming, never clobbering, checkpoints and their pruning.
+
+Layout:
+    config.toml            the resolved config (readable back with --config)
+    metrics.jsonl          one line per optimizer step (written by rank 0)
+    events-rank{r}.jsonl   the engine's events, one file per rank
+    checkpoints/step-NNNNNNN/   sharded checkpoints (the latest `checkpoint.keep`)
+    sample.txt             text sampled from the trained model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+from .config import Config, dumps_toml
+
+CKPT_DIR = "checkpoints"
+_CKPT_RE = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints in a run folder, oldest first."""
+    root = run_dir / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_dir() and any(p.iterdir()):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / CKPT_DIR / f"step-{step:07d}"
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; return what was deleted."""
+    old = [p for _, p in checkpoints(run_dir)[:-keep]] if keep > 0 else []
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
+def _next_free(out: Path, stem: str) -> str:
+    n = 1
+    while (out / f"{stem}-{n}").exists():
+        n += 1
+    return f"{stem}-{n}"
+
+
+def latest_run(out: Path) -> Path | None:
+    """The most recently written run folder under `out` that holds a checkpoint."""
+    runs = [p for p in out.iterdir() if p.is_dir() and checkpoints(p)] if out.is_dir() else []
+    if not runs:
+        return None
+    return max(runs, key=lambda p: checkpoints(p)[-1][1].stat().st_mtime)
+
+
+def resolve_name(cfg: Config) -> Config:
+    """Fix the run's name and check the folder, before any process starts or any file is written.
+
+    A new run never reuses an existing, non-empty folder unless `overwrite` is set; an
+    unnamed run takes `<preset>-<n>`; `resume` needs a folder with a checkpoint (unnamed:
+    the latest such run).
+    """
+    out = Path(cfg.out_dir).expanduser()
+    if cfg.resume:
+        if cfg.name:
+            run = out / cfg.name
+            if not run.is_dir():
+                raise ValueError(f"--resume: there is no run folder {str(run)!r}")
+        else:
+            found = latest_run(out)
+            if found is None:
+                raise ValueError(f"--resume: no run folder with a checkpoint under {str(out)!r}")
+            run = found
+        if not checkpoints(run):
+            raise ValueError(f"--resume: {str(run)!r} holds no checkpoint to resume from")
+        return dataclasses.replace(cfg, name=run.name)
+    if not cfg.name:
+        return dataclasses.replace(cfg, name=_next_free(out, cfg.model.preset))
+    run = out / cfg.name
+    if run.exists() and any(run.iterdir()) and not cfg.overwrite:
+        raise ValueError(
+            f"run folder {str(run)!r} already exists; pass --resume to continue it, "
+            "--overwrite to replace it, or another --name")
+    return cfg
+
+
+def prepare(cfg: Config) -> Path:
+    """Create (or, for --overwrite, recreate) the run folder and write config.toml.
+
+    On --resume the folder is kept, except that metrics after the resumed checkpoint are
+    dropped: they belong to steps that are about to be run again.
+    """
+    cfg = resolve_name(cfg)
+    run = Path(cfg.out_dir).expanduser() / cfg.name
+    if cfg.overwrite and run.exists():
+        shutil.rmtree(run)
+    run.mkdir(parents=True, exist_ok=True)
+    if cfg.resume:
+        step = checkpoints(run)[-1][0]
+        truncate_metrics(run / "metrics.jsonl", step)
+    # The saved config describes the run, not this invocation's actions.
+    saved = dataclasses.replace(cfg, resume=False, overwrite=False)
+    (run / "config.toml").write_text(dumps_toml(saved))
+    return run
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))

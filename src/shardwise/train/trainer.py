@@ -1,0 +1,303 @@
+"""The training loop of `shardwise train`: one function, `run(cfg, reporter)`, on every rank.
+
+It builds the GPT on the meta device, shards it with the config's four knobs, materializes
+only the local shards, and trains with AdamW on the sharded parameters. Rank 0 writes
+metrics.jsonl and hands each step to the `reporter` (the console lives on the CLI side:
+library code never prints); every rank writes its own engine event log for the first
+`log.event_steps` steps.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+
+from ..observe.sinks import JsonlSink, attach_sink, detach_sink, set_step
+from . import data as D
+from . import rundir
+from .config import Config, TrainSection
+from .metrics import (
+    MB,
+    STATE_BYTES_PER_PARAM,
+    ByteCounter,
+    MetricsFile,
+    memory_mb,
+    peak_memory_mb,
+)
+from .model import GPT
+
+log = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    """Receives progress on rank 0 (the CLI's console implements it)."""
+
+    def start(self, info: dict[str, Any]) -> None: ...
+    def step(self, record: dict[str, Any]) -> None: ...
+    def eval(self, step: int, val_loss: float) -> None: ...
+    def checkpoint(self, step: int, path: str) -> None: ...
+    def end(self, summary: dict[str, Any]) -> None: ...
+
+
+class NullReporter:
+    def start(self, info: dict[str, Any]) -> None: ...
+    def step(self, record: dict[str, Any]) -> None: ...
+    def eval(self, step: int, val_loss: float) -> None: ...
+    def checkpoint(self, step: int, path: str) -> None: ...
+    def end(self, summary: dict[str, Any]) -> None: ...
+
+
+def lr_at(step: int, t: TrainSection) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warm-up, then decay to min_lr."""
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    if t.schedule == "constant" or t.steps <= t.warmup_steps:
+        return t.lr
+    frac = (step - t.warmup_steps) / (t.steps - t.warmup_steps)  # 0 -> 1 over the decay
+    if t.schedule == "linear":
+        return t.lr + (t.min_lr - t.lr) * frac
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+def threads_per_rank(cfg: Config) -> int:
+    if cfg.threads:
+        return cfg.threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local))
+
+
+def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> Path:
+    """Rank 0 prepares the run folder; everyone gets its path (or rank 0's error)."""
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = str(rundir.prepare(cfg))
+        except (ValueError, OSError) as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return Path(box[0])
+
+
+def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer:
+    # Decay matrices only (norm gains are 1-D). Sharded parameters keep their dimensionality
+    # (a row slice of the original), so this split is the same as unsharded.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def _gather(values: list[float], device: torch.device) -> list[list[float]]:
+    """Each rank's `values` -> a list per rank (one small all-gather)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+@torch.no_grad()
+def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
+             device: torch.device) -> float:
+    """Mean loss over the fixed validation batches of every rank."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    seq = model.cfg.block_size
+    for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank, world,
+                              cfg.train.eval_batches, device):
+        total += model(x, y).double()
+    dist.all_reduce(total)
+    return total.item() / (world * cfg.train.eval_batches)
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_state(s: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
+
+
+def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
+         stream: D.BatchStream, keep: int, rank: int) -> Path:
+    """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones."""
+    path = rundir.checkpoint_path(run_dir, step)
+    if not hasattr(sw, "save_checkpoint"):  # TEMPORARY until checkpoint/sharded.py lands
+        log.warning("sw.save_checkpoint is not available yet: no checkpoint written")
+        return path
+    extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state()}
+    sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
+    dist.barrier()
+    if rank == 0:
+        rundir.prune_checkpoints(run_dir, keep)
+    return path
+
+
+def resume(run_dir: Path, model: GPT, opt: torch.optim.Optimizer,
+           stream: D.BatchStream) -> int:
+    """Load the latest checkpoint; return the step it was taken after."""
+    step, path = rundir.checkpoints(run_dir)[-1]
+    extra = sw.load_checkpoint(str(path), model, opt) or {}
+    if "data" not in extra or "step" not in extra:
+        raise RuntimeError(f"checkpoint {str(path)!r} lacks the training position in `extra`")
+    stream.load_state_dict(extra["data"])
+    if "rng" in extra:
+        _set_rng_state(extra["rng"])
+    return int(extra["step"])
+
+
+def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
+    """Train on every rank of the current process group (or torchrun's); return the summary."""
+    rank, world, device = sw.init_distributed()
+    torch.set_num_threads(threads_per_rank(cfg))
+    run_dir = _shared_run_dir(cfg, rank, device)
+    cfg = dataclasses.replace(cfg, name=run_dir.name)
+    rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
+    t = cfg.train
+    gcfg = cfg.model.gpt()
+    seq = gcfg.block_size
+
+    text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
+    parts = D.split(text, cfg.data.val_fraction, seq)
+    stream = D.BatchStream(parts.train, seq, t.batch_size, rank, world, cfg.data.seed, device)
+
+    torch.manual_seed(t.seed)
+    with torch.device("meta"):
+        model = GPT(gcfg)
+    sw.shard_model(
+        model,
+        sharding_strategy=cfg.shard.sharding_strategy,
+        auto_wrap_policy=None if cfg.shard.auto_wrap_policy == "none"
+        else cfg.shard.auto_wrap_policy,
+        mixed_precision=None if cfg.shard.mixed_precision == "fp32"
+        else cfg.shard.mixed_precision,
+        cpu_offload=cfg.shard.cpu_offload,
+    )
+    sw.materialize(model, seed=t.seed)
+    opt = _optimizer(model, t)
+    start = resume(run_dir, model, opt, stream) if cfg.resume else 0
+    if start >= t.steps:
+        raise ValueError(f"the checkpoint is at step {start}; train.steps={t.steps} leaves "
+                         "nothing to do (raise --train.steps to train further)")
+
+    n_params = gcfg.num_params()
+    local_params = sum(p.numel() for p in model.parameters())
+    tokens_per_step = t.batch_size * seq * t.grad_accum * world
+    rep.start({"run_dir": str(run_dir), "world": world, "device": str(device),
+               "params": n_params, "local_params": local_params, "start_step": start,
+               "steps": t.steps, "tokens_per_step": tokens_per_step, "config": cfg,
+               "train_bytes": len(parts.train), "val_bytes": len(parts.val),
+               "threads": torch.get_num_threads()})
+
+    counter = ByteCounter()
+    attach_sink(model, counter)
+    events_file = None
+    if cfg.log.event_steps != 0:
+        events_file = (run_dir / f"events-rank{rank}.jsonl").open("a")
+        jsonl = JsonlSink(events_file)
+        attach_sink(model, jsonl)
+    # Count bytes over a few steps even when no event file is written, then stop paying.
+    count_until = start + max(cfg.log.event_steps, 3) if cfg.log.event_steps >= 0 else t.steps
+    metrics = MetricsFile(run_dir / "metrics.jsonl") if rank == 0 else None
+
+    val_loss = math.nan
+    losses: list[float] = []
+    timed_tokens, timed_s = 0, 0.0
+    t_begin = time.perf_counter()
+    for step in range(start + 1, t.steps + 1):
+        lr = lr_at(step, t)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        set_step(model, step)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(t.grad_accum):
+            x, y = stream.next()
+            # Accumulate locally; only the last micro-batch's backward communicates.
+            sync = micro == t.grad_accum - 1
+            with contextlib.nullcontext() if sync else sw.no_sync(model):
+                loss = model(x, y)
+                (loss / t.grad_accum).backward()
+            loss_sum += loss.detach()
+        norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
+        dt = time.perf_counter() - t0
+        if step > start + 1:  # the first step pays for lazy initialization: not timed
+            timed_tokens, timed_s = timed_tokens + tokens_per_step, timed_s + dt
+        loss_mean = sum(r[0] for r in per_rank) / world
+        losses.append(loss_mean)
+        record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": norm.item(),
+                  "tokens_per_s": tokens_per_step / dt,
+                  "memory_mb": [round(r[1], 1) for r in per_rank],
+                  "time_s": round(time.perf_counter() - t_begin, 3)}
+        if step == count_until:
+            detach_sink(model, counter)
+            if events_file is not None:
+                detach_sink(model, jsonl)
+                events_file.close()
+                events_file = None
+        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
+            val_loss = evaluate(model, parts.val, cfg, rank, world, device)
+            record["val_loss"] = val_loss
+            rep.eval(step, val_loss)
+        if metrics is not None:
+            metrics.write(record)
+        rep.step(record)
+        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps:
+            path = save(run_dir, step, model, opt, stream, cfg.checkpoint.keep, rank)
+            rep.checkpoint(step, str(path))
+    if events_file is not None:
+        events_file.close()
+    if metrics is not None:
+        metrics.close()
+
+    sample = _sample(model, cfg, device)
+    if rank == 0 and sample:
+        (run_dir / "sample.txt").write_text(sample)
+    state_mb = local_params * STATE_BYTES_PER_PARAM / MB
+    rows = _gather([peak_memory_mb(device), state_mb, float(counter.last_step_bytes())], device)
+    tail = losses[-10:]
+    summary = {
+        "run_dir": str(run_dir), "steps": t.steps, "world": world, "params": n_params,
+        "final_loss": losses[-1], "final_loss_avg10": sum(tail) / len(tail),
+        "final_val_loss": val_loss,
+        "tokens_per_s": timed_tokens / timed_s if timed_s else math.nan,
+        "peak_memory_mb": [r[0] for r in rows],
+        "state_mb": [r[1] for r in rows],
+        "unsharded_state_mb": n_params * STATE_BYTES_PER_PARAM / MB,
+        "bytes_per_step": [int(r[2]) for r in rows],
+        "sample": sample, "device": device.type,
+        "wall_s": time.perf_counter() - t_begin,
+    }
+    rep.end(summary)
+    return summary
+
+
+def _sample(model: GPT, cfg: Config, device: torch.device) -> str:
+    """Text from the trained model; every rank samples in lockstep (each forward is collective)."""
+    if cfg.log.sample_tokens <= 0:
+        return ""
+    prompt = torch.tensor([list(cfg.log.sample_prompt.encode())], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    out = model.generate(prompt, cfg.log.sample_tokens, generator=gen)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
