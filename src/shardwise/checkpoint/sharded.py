@@ -1,0 +1,331 @@
+"""Sharded checkpoints: every rank saves its rows; any world size and strategy loads them.
+
+See [Note: checkpoint format] (manifest.py) for what is on disk and [Note: atomic publish]
+(atomic.py) for why a crash never leaves a checkpoint that loads wrongly. Every check that
+can fail on one rank is agreed on by all (`_agree`), so an error raises everywhere and no
+rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import collectives as C
+from ..engine.fully_shard import units_of
+from ..engine.sharded_param import ShardedParam
+from ..engine.unit import ShardedState
+from . import atomic, optim_state
+from .manifest import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    TensorInfo,
+    model_name,
+    rank_file,
+    read_manifest,
+    versions,
+)
+from .reader import RowReader, verify_files
+from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
+from .slots import ModelView, Slot, model_view
+
+log = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike
+
+
+def _agree(err: BaseException | None) -> None:
+    """Raise on every rank if any rank has an error: its own, else the first rank's message."""
+    if C.agree(err is None):
+        return
+    if not C.is_initialized() or C.world_size() == 1:
+        assert err is not None
+        raise err
+    mine = f"{type(err).__name__}\n{err}".encode() if err is not None else b""
+    msgs = C.all_gather_bytes(mine)
+    if err is not None:
+        raise err
+    r, msg = next((r, m.decode()) for r, m in enumerate(msgs) if m)
+    kind, _, text = msg.partition("\n")
+    cls = {"ValueError": ValueError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)
+    raise cls(f"{text} (raised on rank {r})")
+
+
+def _as_error(e: BaseException) -> BaseException:
+    # I/O failures name their file in str(e); keep user mistakes as they are.
+    if isinstance(e, OSError):
+        return CheckpointError(str(e))
+    return e
+
+
+def _target(path: PathLike) -> str:
+    p = os.fspath(path)
+    if not p:
+        raise ValueError("checkpoint path is empty")
+    return os.path.abspath(p)
+
+
+# --- save ------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: Any = None,
+) -> None:
+    """Save `model` (and `optimizer`) as a sharded checkpoint directory at `path`.
+
+    Every rank must call it. Each rank writes the rows it owns (replica 0 only under
+    HYBRID_SHARD/NO_SHARD) to its own safetensors file; rank 0 writes the manifest and
+    publishes the directory atomically, replacing an existing checkpoint at `path` only once
+    the new one is complete. `extra` must be JSON-serializable; `load_checkpoint` returns it.
+    """
+    err: BaseException | None = None
+    target = ""
+    try:
+        target = _target(path)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"step={step!r} must be an int or None")
+        try:
+            extra = json.loads(json.dumps(extra, allow_nan=True))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra must be JSON-serializable (dicts, lists, strings, "
+                             f"numbers, bools, None): {e}") from None
+        view = model_view(model)
+        slots = [e.slot() for e in view.entries]
+        opt_json, opt_state = None, {}
+        if optimizer is not None:
+            opt_json, opt_slots, opt_state = optim_state.collect(optimizer, view)
+            slots += opt_slots
+        for s in slots:
+            dtype_name(s.dtype)  # refuse dtypes safetensors cannot hold, before any write
+            if s.local.is_meta:
+                raise RuntimeError(f"{s.name} is still on the meta device; materialize or "
+                                   f"load the model before saving it")
+    except (ValueError, RuntimeError) as e:
+        err = e
+    _agree(err)
+
+    if C.rank() == 0:
+        try:
+            atomic.prepare(target)
+        except (OSError, ValueError) as e:
+            err = _as_error(e)
+    _agree(err)
+
+    partial = atomic.partial_path(target)
+    report: dict[str, Any] = {}
+    try:
+        report = _write_rank_file(partial, slots)
+        report["optim_state"] = opt_state
+    except (OSError, ValueError, RuntimeError) as e:
+        err = _as_error(e)
+    _fail_cleanly(err, target)
+    atomic.crash_point("files_written")
+
+    reports = [json.loads(b) for b in C.gather_bytes(json.dumps(report).encode())]
+    if C.rank() == 0:
+        try:
+            m = _merge(reports, view, opt_json, step, extra)
+            write_text(os.path.join(partial, MANIFEST), m.to_json())
+            fsync_dir(partial)
+            atomic.crash_point("manifest_written")
+            atomic.publish(target)
+            log.info("saved checkpoint %s (step %s, %d files)", target, step, len(m.files))
+        except (OSError, CheckpointError) as e:
+            err = _as_error(e)
+    _fail_cleanly(err, target)
+
+
+def _fail_cleanly(err: BaseException | None, target: str) -> None:
+    if not C.agree(err is None) and C.rank() == 0:
+        atomic.discard(target)
+    _agree(err)
+
+
+def _write_rank_file(partial: str, slots: list[Slot]) -> dict[str, Any]:
+    """Write this rank's rows; return what the manifest needs to know about them."""
+    mine = [s for s in slots if s.writes]
+    stored = [s for s in mine if s.end > s.start]
+    tensors = {s.name: {"shape": list(s.shape), "dtype": dtype_name(s.dtype),
+                        "rows": [s.start, s.end]} for s in mine}
+    if not stored:
+        return {"file": None, "tensors": tensors}
+    name = rank_file(C.rank())
+    path = os.path.join(partial, name)
+    writer = StreamWriter(path, [Entry(s.name, s.dtype, tuple(s.local.shape)) for s in stored],
+                          {"format": "pt", "shardwise": f"rows of a sharded checkpoint; "
+                                                        f"see {MANIFEST}"})
+    try:
+        for s in stored:
+            writer.write(s.local)
+    except BaseException:
+        writer.abort()
+        raise
+    size, digest = writer.close()
+    fsync_dir(partial)
+    return {"file": name, "bytes": size, "sha256": digest, "tensors": tensors}
+
+
+def _merge(reports: list[dict[str, Any]], view: ModelView, opt_json: dict[str, Any] | None,
+           step: int | None, extra: Any) -> Manifest:
+    files: dict[str, dict[str, Any]] = {}
+    tensors: dict[str, TensorInfo] = {}
+    opt_state: dict[str, Any] = {}
+    for rank, rep in enumerate(reports):
+        if rep.get("file"):
+            files[rep["file"]] = {"bytes": rep["bytes"], "sha256": rep["sha256"]}
+        for name, t in rep["tensors"].items():
+            shape, dtype = tuple(t["shape"]), dtype_from_name(t["dtype"])
+            info = tensors.setdefault(name, TensorInfo(shape, dtype))
+            if (info.shape, info.dtype) != (shape, dtype):
+                raise CheckpointError(f"ranks disagree on {name}: rank {rank} has "
+                                      f"{shape} {dtype}, another {info.shape} {info.dtype}")
+            a, b = t["rows"]
+            if b > a:
+                info.pieces.append((rep["file"], a, b))
+        for fqn, desc in rep.get("optim_state", {}).items():
+            have = opt_state.setdefault(fqn, {"tensors": [], "scalars": {}})
+            have["tensors"] += [n for n in desc["tensors"] if n not in have["tensors"]]
+            for n, spec in desc["scalars"].items():
+                have["scalars"].setdefault(n, spec)
+    for name, info in tensors.items():
+        pieces, row = [], 0
+        for f, a, b in sorted(info.pieces, key=lambda p: (p[1], p[2])):
+            if pieces and (a, b) == pieces[-1][1:]:
+                continue  # an identical copy (two writers of one replica): keep one
+            if a != row:
+                raise CheckpointError(f"{name}: rows [{row}, {a}) written by no rank or twice")
+            pieces.append((f, a, b))
+            row = b
+        if row != info.dim0:
+            raise CheckpointError(f"{name}: rows [{row}, {info.dim0}) written by no rank")
+        info.pieces = pieces
+    if opt_json is not None:
+        opt_json = {**opt_json, "state": opt_state}
+    return Manifest(step=step, extra=extra, versions=versions(),
+                    saved_by={"world_size": C.world_size(), "files": len(files)},
+                    files=files, tensors=tensors, model_keys=view.keys,
+                    aliases=view.aliases, optimizer=opt_json)
+
+
+# --- load ------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
+) -> Any:
+    """Load a checkpoint saved at any world size into `model` (and `optimizer`); return extra.
+
+    Every rank must call it. Each rank reads only the rows it holds. With `verify`, every
+    file's SHA-256 is checked first (the files are split among the ranks, so each byte is
+    read once more in total). Nothing in the model or optimizer changes unless everything
+    was read successfully; a missing, truncated or corrupted file, or a checkpoint of a
+    different architecture, raises CheckpointError on every rank.
+    """
+    err: BaseException | None = None
+    m: Manifest | None = None
+    ckpt = ""
+    try:
+        target = _target(path)
+        ckpt = atomic.resolve(target)
+        if ckpt != target:
+            log.warning("%s is missing: loading %s, left by a save that crashed while "
+                        "replacing it", target, ckpt)
+        for u in units_of(model):
+            if u.state is not ShardedState.SHARDED:
+                raise RuntimeError(f"load_checkpoint needs every unit resharded; "
+                                   f"{type(u.module).__name__} is {u.state.value} (call "
+                                   f"it between steps, not inside forward/backward)")
+        m = read_manifest(ckpt)
+        view = model_view(model)
+        _check_model(view, m, ckpt)
+        if optimizer is not None:
+            optim_state.check(optimizer, view, m, ckpt)
+        for name, info in sorted(m.files.items()):
+            _check_size(os.path.join(ckpt, name), info["bytes"])
+    except (ValueError, RuntimeError) as e:
+        err = e
+    _agree(err)
+    assert m is not None
+
+    if verify:
+        try:
+            verify_files(ckpt, m, C.rank(), C.world_size())
+        except CheckpointError as e:
+            err = e
+        _agree(err)
+
+    staged: list[tuple[ShardedParam, torch.Tensor]] = []
+    plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    opt_sd = None
+    reader = RowReader(ckpt, m)
+    try:
+        for e in view.entries:
+            name = model_name(m.aliases.get(e.key, e.key))
+            if e.sp is not None:
+                staged.append((e.sp, reader.read(name, e.sp.row_start, e.sp.row_end)))
+            else:
+                plain.append((e.key, e.tensor, reader.read(name, 0, m.tensors[name].dim0)))
+        if optimizer is not None:
+            opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
+    except (CheckpointError, OSError, ValueError, RuntimeError) as e:
+        err = _as_error(e)
+    finally:
+        reader.close()
+    _agree(err)
+
+    # Everything was read: commit (no collectives and nothing that can fail on bad data).
+    with torch.no_grad():
+        for sp, rows in staged:
+            sp.materialize()
+            sp.sharded.copy_(rows.view(sp.sharded.shape))
+        from .state_dict import _set_plain
+
+        for key, t, rows in plain:
+            _set_plain(model, key, t, rows.reshape(t.shape))
+    if optimizer is not None:
+        optimizer.load_state_dict(opt_sd)
+    return m.extra
+
+
+def _check_size(path: str, expected: int) -> None:
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    if size != expected:
+        raise CheckpointError(f"{path} is {'truncated' if size < expected else 'too long'}: "
+                              f"{size} bytes, the manifest says {expected}")
+
+
+def _check_model(view: ModelView, m: Manifest, where: str) -> None:
+    """The first key whose presence or shape differs, in the model's order."""
+    for e in view.entries:
+        info = m.model_tensor(e.key)
+        if info is None:
+            raise CheckpointError(f"{where} does not match the model: {e.key} (shape "
+                                  f"{e.shape}) is not in the checkpoint")
+        if info.shape != e.shape:
+            raise CheckpointError(f"{where} does not match the model: {e.key} has shape "
+                                  f"{info.shape} in the checkpoint, {e.shape} in the model")
+    mine = set(view.keys)
+    for key in m.model_keys:
+        if key not in mine:
+            info = m.model_tensor(key)
+            shape = info.shape if info is not None else "?"
+            raise CheckpointError(f"{where} does not match the model: {key} (shape {shape}) "
+                                  f"is in the checkpoint but not in the model")

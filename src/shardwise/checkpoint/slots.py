@@ -1,0 +1,114 @@
+"""What one rank holds of each stored tensor: the rows, and whether it writes them.
+
+A *slot* is one tensor of the checkpoint as seen from this rank: the global shape and dtype,
+the rows [start, end) of the 2-D row view (see [Note: checkpoint format]) that this rank
+holds, and `writes`, true on exactly one rank per row. Sharded parameters (and optimizer
+state shaped like them) are held by their shard owners and written by replica 0 of the
+replicate group (HYBRID_SHARD and NO_SHARD keep identical copies elsewhere). Everything
+else (buffers, ignored parameters) is replicated: every rank holds all rows and global
+rank 0 writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..engine import collectives as C
+from ..engine.fully_shard import named_sharded_params
+from ..engine.sharded_param import ShardedParam
+from .manifest import model_name
+
+
+@dataclass
+class Slot:
+    name: str  # the manifest's tensor name
+    shape: tuple[int, ...]  # global (original) shape
+    dtype: torch.dtype
+    start: int  # this rank's rows, [start, end) of the row view
+    end: int
+    writes: bool
+    local: torch.Tensor  # this rank's rows, (end - start, *shape[1:])
+
+    @property
+    def rest(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+
+def writes_shards(sp: ShardedParam) -> bool:
+    """Whether this rank writes sp's rows: the first replica does, the others hold copies."""
+    mesh = sp.owner.mesh  # type: ignore[attr-defined]
+    return mesh.replicate_size == 1 or C.rank(mesh.replicate_group) == 0
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """The (D0, *rest) row view of a full tensor (a 0-d tensor is one row)."""
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def sharded_slot(name: str, sp: ShardedParam, local: torch.Tensor) -> Slot:
+    """`local` is shaped like sp.sharded: this rank's rows of a tensor shaped like sp."""
+    return Slot(name, tuple(sp.orig_shape), local.dtype, sp.row_start, sp.row_end,
+                writes_shards(sp), local.detach())
+
+
+def full_slot(name: str, t: torch.Tensor) -> Slot:
+    rows = rows_of(t.detach())
+    return Slot(name, tuple(t.shape), t.dtype, 0, rows.shape[0], C.rank() == 0, rows)
+
+
+@dataclass
+class ModelEntry:
+    key: str  # state-dict key
+    sp: ShardedParam | None  # None: a buffer or an unsharded (ignored) parameter
+    tensor: torch.Tensor  # what the module holds now
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.sp.orig_shape) if self.sp is not None else tuple(self.tensor.shape)
+
+    def slot(self) -> Slot:
+        if self.sp is not None:
+            return sharded_slot(model_name(self.key), self.sp, self.sp.sharded)
+        return full_slot(model_name(self.key), self.tensor)
+
+
+@dataclass
+class ModelView:
+    entries: list[ModelEntry]  # one per stored tensor (tied parameters once)
+    keys: list[str]  # every state-dict key, aliases included, in order
+    aliases: dict[str, str]  # tied key -> stored key
+    # id(parameter object the optimizer holds) -> (fqn, its ShardedParam or None)
+    params: dict[int, tuple[str, ShardedParam | None]]
+
+
+def model_view(model: nn.Module) -> ModelView:
+    """The model's state-dict keys mapped to sharded parameters, tied keys to their first."""
+    canonical = {id(sp): fqn for fqn, sp in named_sharded_params(model)}
+    entries: list[ModelEntry] = []
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    first_plain: dict[int, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        keys.append(key)
+        sp = getattr(t, "_sw_param", None)
+        if sp is not None:
+            fqn = canonical.get(id(sp), key)
+            if fqn != key:
+                aliases[key] = fqn
+            else:
+                entries.append(ModelEntry(key, sp, sp.sharded))
+            continue
+        if id(t) in first_plain:
+            aliases[key] = first_plain[id(t)]
+            continue
+        first_plain[id(t)] = key
+        entries.append(ModelEntry(key, None, t))
+    params: dict[int, tuple[str, ShardedParam | None]] = {
+        id(sp.sharded): (fqn, sp) for fqn, sp in named_sharded_params(model)}
+    for name, p in model.named_parameters():
+        if getattr(p, "_sw_param", None) is None:
+            params.setdefault(id(p), (name, None))
+    return ModelView(entries, keys, aliases, params)
