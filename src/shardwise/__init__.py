@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .checkpoint.export import export_safetensors
+from .checkpoint.manifest import CheckpointError
+from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .engine.distributed import init_distributed, no_sync
 from .engine.fully_shard import ShardedModule, fully_shard, shard_model
@@ -20,18 +23,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CheckpointError",
     "MixedPrecisionPolicy",
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
     "clip_grad_norm_",
+    "export_safetensors",
     "full_state_dict",
     "fully_shard",
     "init_distributed",
+    "load_checkpoint",
     "load_full_state_dict",
     "materialize",
     "no_sync",
     "precision_plan",
+    "save_checkpoint",
     "shard_model",
     "size_policy",
     "transformer_policy",

@@ -118,12 +118,20 @@ class StreamWriter:
         self._hash.update(data)
         self._size += len(data)
 
-    def write(self, t: torch.Tensor) -> None:
+    def write(self, t: torch.Tensor, key: str | None = None) -> None:
+        """Append `t` (a whole tensor, or its next rows) to the entry being written.
+
+        `key`, when given, must name that entry: a check that producer and header agree.
+        """
+        if t.numel() == 0:
+            return  # zero-size entries hold no bytes
         while self._index < len(self.entries) and self._pos == self._ends[self._index]:
             self._index += 1  # skip finished (and zero-size) entries
         if self._index >= len(self.entries):
             raise ValueError(f"{self.path}: more data than the header announced")
         e = self.entries[self._index]
+        if key is not None and key != e.key:
+            raise ValueError(f"{self.path}: got data for {key} while writing {e.key}")
         if t.dtype != e.dtype:
             raise ValueError(f"{self.path}: {e.key} is {e.dtype}, got a {t.dtype} tensor")
         data = raw_bytes(t)

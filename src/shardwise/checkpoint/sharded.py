@@ -31,37 +31,15 @@ from .manifest import (
     read_manifest,
     versions,
 )
-from .reader import RowReader, verify_files
+from .reader import RowReader, check_size, verify_files
 from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
 from .slots import ModelView, Slot, model_view
+from .state_dict import _set_plain
+from .sync import agree, as_error
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike
-
-
-def _agree(err: BaseException | None) -> None:
-    """Raise on every rank if any rank has an error: its own, else the first rank's message."""
-    if C.agree(err is None):
-        return
-    if not C.is_initialized() or C.world_size() == 1:
-        assert err is not None
-        raise err
-    mine = f"{type(err).__name__}\n{err}".encode() if err is not None else b""
-    msgs = C.all_gather_bytes(mine)
-    if err is not None:
-        raise err
-    r, msg = next((r, m.decode()) for r, m in enumerate(msgs) if m)
-    kind, _, text = msg.partition("\n")
-    cls = {"ValueError": ValueError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)
-    raise cls(f"{text} (raised on rank {r})")
-
-
-def _as_error(e: BaseException) -> BaseException:
-    # I/O failures name their file in str(e); keep user mistakes as they are.
-    if isinstance(e, OSError):
-        return CheckpointError(str(e))
-    return e
 
 
 def _target(path: PathLike) -> str:
@@ -113,14 +91,14 @@ def save_checkpoint(
                                    f"load the model before saving it")
     except (ValueError, RuntimeError) as e:
         err = e
-    _agree(err)
+    agree(err)
 
     if C.rank() == 0:
         try:
             atomic.prepare(target)
         except (OSError, ValueError) as e:
-            err = _as_error(e)
-    _agree(err)
+            err = as_error(e)
+    agree(err)
 
     partial = atomic.partial_path(target)
     report: dict[str, Any] = {}
@@ -128,7 +106,7 @@ def save_checkpoint(
         report = _write_rank_file(partial, slots)
         report["optim_state"] = opt_state
     except (OSError, ValueError, RuntimeError) as e:
-        err = _as_error(e)
+        err = as_error(e)
     _fail_cleanly(err, target)
     atomic.crash_point("files_written")
 
@@ -142,14 +120,14 @@ def save_checkpoint(
             atomic.publish(target)
             log.info("saved checkpoint %s (step %s, %d files)", target, step, len(m.files))
         except (OSError, CheckpointError) as e:
-            err = _as_error(e)
+            err = as_error(e)
     _fail_cleanly(err, target)
 
 
 def _fail_cleanly(err: BaseException | None, target: str) -> None:
     if not C.agree(err is None) and C.rank() == 0:
         atomic.discard(target)
-    _agree(err)
+    agree(err)
 
 
 def _write_rank_file(partial: str, slots: list[Slot]) -> dict[str, Any]:
@@ -256,10 +234,10 @@ def load_checkpoint(
         if optimizer is not None:
             optim_state.check(optimizer, view, m, ckpt)
         for name, info in sorted(m.files.items()):
-            _check_size(os.path.join(ckpt, name), info["bytes"])
+            check_size(os.path.join(ckpt, name), info["bytes"])
     except (ValueError, RuntimeError) as e:
         err = e
-    _agree(err)
+    agree(err)
     assert m is not None
 
     if verify:
@@ -267,7 +245,7 @@ def load_checkpoint(
             verify_files(ckpt, m, C.rank(), C.world_size())
         except CheckpointError as e:
             err = e
-        _agree(err)
+        agree(err)
 
     staged: list[tuple[ShardedParam, torch.Tensor]] = []
     plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -283,33 +261,21 @@ def load_checkpoint(
         if optimizer is not None:
             opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
     except (CheckpointError, OSError, ValueError, RuntimeError) as e:
-        err = _as_error(e)
+        err = as_error(e)
     finally:
         reader.close()
-    _agree(err)
+    agree(err)
 
     # Everything was read: commit (no collectives and nothing that can fail on bad data).
     with torch.no_grad():
         for sp, rows in staged:
             sp.materialize()
             sp.sharded.copy_(rows.view(sp.sharded.shape))
-        from .state_dict import _set_plain
-
         for key, t, rows in plain:
             _set_plain(model, key, t, rows.reshape(t.shape))
     if optimizer is not None:
         optimizer.load_state_dict(opt_sd)
     return m.extra
-
-
-def _check_size(path: str, expected: int) -> None:
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    if size != expected:
-        raise CheckpointError(f"{path} is {'truncated' if size < expected else 'too long'}: "
-                              f"{size} bytes, the manifest says {expected}")
 
 
 def _check_model(view: ModelView, m: Manifest, where: str) -> None:

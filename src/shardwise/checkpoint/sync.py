@@ -1,0 +1,35 @@
+"""Errors that every rank raises together: a check failing on one rank must not hang the rest."""
+
+from __future__ import annotations
+
+from ..engine import collectives as C
+from .manifest import CheckpointError
+
+_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def agree(err: BaseException | None) -> None:
+    """Raise on every rank if any rank has an error: its own, else the first rank's message.
+
+    Every rank must call it at the same point (it is one all-reduce, plus an all-gather of
+    the messages when something failed).
+    """
+    if C.agree(err is None):
+        return
+    if not C.is_initialized() or C.world_size() == 1:
+        assert err is not None
+        raise err
+    mine = f"{type(err).__name__}\n{err}".encode() if err is not None else b""
+    msgs = C.all_gather_bytes(mine)
+    if err is not None:
+        raise err
+    r, msg = next((r, m.decode()) for r, m in enumerate(msgs) if m)
+    kind, _, text = msg.partition("\n")
+    raise _KINDS.get(kind, CheckpointError)(f"{text} (raised on rank {r})")
+
+
+def as_error(e: BaseException) -> BaseException:
+    """I/O failures become CheckpointError (str(e) names the file); the rest stay as they are."""
+    if isinstance(e, OSError):
+        return CheckpointError(str(e))
+    return e
