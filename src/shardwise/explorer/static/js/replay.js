@@ -1,0 +1,112 @@
+// Replay of a recorded `shardwise train` run: per-rank timelines and memory over time.
+
+import { getJSON } from "./api.js";
+import { lineChart } from "./charts.js";
+import {
+  PHASE_COLOURS, PHASE_NAMES, RANK_COLOURS, el, fmtBytes, prepareCanvas, unitLabel,
+} from "./util.js";
+
+const $ = (id) => document.getElementById(id);
+
+function drawTimeline(canvas, rank, span) {
+  const { ctx, w, h } = prepareCanvas(canvas);
+  const X = (t) => 4 + (t / (span || 1)) * (w - 8);
+  ctx.fillStyle = "#f8f9fa";
+  ctx.fillRect(0, 0, w, h);
+  const hideRoot = rank.events.some((e) => e.unit !== "" && !e.collective &&
+    (e.phase === "forward" || e.phase === "backward"));
+  for (const e of rank.events) {
+    if (hideRoot && e.unit === "" && !e.collective && e.phase !== "reshard") continue;
+    const y = e.phase === "reshard" ? 4 : e.collective ? 30 : 8;
+    const hgt = e.phase === "reshard" ? 42 : 18;
+    ctx.fillStyle = PHASE_COLOURS[e.phase] || "#000";
+    ctx.fillRect(X(e.t0), y, Math.max(1.5, X(e.t1) - X(e.t0)), hgt);
+  }
+  const peak = Math.max(1, ...rank.memory.map((m) => m[1]));
+  ctx.strokeStyle = "#343a40";
+  ctx.beginPath();
+  let last = 0;
+  ctx.moveTo(X(0), h - 3);
+  for (const [t, b] of rank.memory) {
+    ctx.lineTo(X(t), h - 3 - (20 * last) / peak);
+    ctx.lineTo(X(t), h - 3 - (20 * b) / peak);
+    last = b;
+  }
+  ctx.stroke();
+  // Step boundaries: the first event of each step.
+  const firsts = new Map();
+  for (const e of rank.events) if (!firsts.has(e.step)) firsts.set(e.step, e.t0);
+  ctx.fillStyle = "#212529";
+  ctx.font = "10px system-ui, sans-serif";
+  for (const [step, t] of firsts) ctx.fillText(`step ${step}`, X(t) + 2, h - 28);
+}
+
+async function showWindow(summary) {
+  const start = Number($("replay-start").value);
+  const count = Number($("replay-count").value);
+  const win = await getJSON(`/api/replay/window?start=${start}&count=${count}`);
+  const span = Math.max(0, ...win.ranks.flatMap((r) => r.events.map((e) => e.t1)));
+  $("replay-ranks").replaceChildren(...win.ranks.map((r) => {
+    const canvas = el("canvas", { width: 900, height: 74 });
+    const bytes = r.events.filter((e) => e.collective).reduce((s, e) => s + e.bytes, 0);
+    const row = el("div", { class: "replay-rank", "data-testid": "replay-rank",
+      "data-rank": r.rank, style: { borderLeftColor: RANK_COLOURS[r.rank % 4] } },
+    el("div", { class: "muted", text: `rank ${r.rank}: ${r.events.length} events, ` +
+      `${fmtBytes(bytes)} through collectives, ${span.toFixed(1)} ms shown` }), canvas);
+    drawTimeline(canvas, r, span);
+    canvas.title = r.events.slice(0, 40).map((e) => `${PHASE_NAMES[e.phase] || e.phase} ` +
+      `${unitLabel(e.unit)} ${e.bytes ? fmtBytes(e.bytes) : ""}`).join("\n");
+    return row;
+  }));
+  if (!win.steps.length) {
+    $("replay-ranks").append(el("p", { class: "muted",
+      text: `No recorded events in steps ${start}..${start + count - 1}; recorded steps: ` +
+        `${summary.steps[0]}..${summary.steps[summary.steps.length - 1]}.` }));
+  }
+}
+
+function memoryChart(summary) {
+  const series = [];
+  const byRank = new Map();
+  for (const m of summary.metrics) {
+    (Array.isArray(m.memory_mb) ? m.memory_mb : [m.memory_mb]).forEach((v, r) => {
+      if (typeof v !== "number") return;
+      if (!byRank.has(r)) byRank.set(r, []);
+      byRank.get(r).push([m.step, v]);
+    });
+  }
+  for (const [r, pts] of byRank) {
+    series.push({ points: pts, colour: RANK_COLOURS[r % 4], label: `rank ${r} memory (MB)` });
+  }
+  if (!series.length) {
+    // No metrics: the reconstructed peak working set per recorded step instead.
+    summary.ranks.forEach((r, i) => series.push({
+      points: summary.per_step.map((s) => [s.step, s.ranks[i].working_peak / 1e6]),
+      colour: RANK_COLOURS[r % 4], label: `rank ${r} peak working set (MB)` }));
+  }
+  const xs = series.flatMap((s) => s.points.map((p) => p[0]));
+  lineChart($("replay-memory"), series, { xMin: Math.min(...xs, 0), xMax: Math.max(...xs, 1),
+    xLabel: "step", yFmt: (v) => v.toFixed(1), xTicks: 10 });
+}
+
+function table(summary) {
+  const head = el("tr", {}, el("th", { text: "step" }),
+    summary.ranks.map((r) => el("th", { text: `rank ${r}: span / comm / bytes / working` })));
+  const rows = summary.per_step.slice(0, 200).map((s) => el("tr", {},
+    el("td", { class: "num", text: s.step }),
+    s.ranks.map((r) => el("td", { class: "num", text: `${r.span_ms.toFixed(1)} ms / ` +
+      `${r.comm_ms.toFixed(1)} ms / ${fmtBytes(r.bytes)} / ${fmtBytes(r.working_peak)}` }))));
+  $("replay-table").replaceChildren(el("table", { class: "grid-table" }, head, rows));
+}
+
+export async function startReplay() {
+  const summary = await getJSON("/api/replay");
+  $("replay-name").textContent = summary.name;
+  $("replay-config").textContent = summary.config_text || "(no config.toml)";
+  if (summary.steps.length) $("replay-start").value = String(summary.steps[0]);
+  $("replay-start").addEventListener("change", () => showWindow(summary));
+  $("replay-count").addEventListener("change", () => showWindow(summary));
+  memoryChart(summary);
+  table(summary);
+  await showWindow(summary);
+}
