@@ -92,7 +92,8 @@ class ConsoleReporter:
             self.bar.close()
         unsharded = [p - st + s["unsharded_state_mb"]
                      for p, st in zip(s["peak_memory_mb"], s["state_mb"])]
-        print(f"\ndone: {s['steps']} steps in {s['wall_s']:.0f} s on {s['world']} ranks")
+        print(f"\ndone: step {s['steps']} ({s['steps'] - s['start_step']} steps in "
+              f"{s['wall_s']:.0f} s on {s['world']} ranks)")
         print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
               f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
         print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
@@ -101,8 +102,10 @@ class ConsoleReporter:
               f"unsharded about {_mem(unsharded)}")
         print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
               f"unsharded {s['unsharded_state_mb']:.1f} MB")
+        parts = ", ".join(f"{k.replace('_', '-')} {_bytes(v)}"
+                          for k, v in sorted(s["bytes_per_step_rank0"].items()))
         print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
-              "per step per rank (all-gather + reduce-scatter, from the engine's events)")
+              f"per step per rank (rank 0: {parts or 'none'}; from the engine's events)")
         print(f"  run folder       {s['run_dir']}")
         if s["sample"]:
             print("\nsample:\n" + s["sample"].rstrip() + "\n")

@@ -42,17 +42,18 @@ class ByteCounter:
     """An event sink summing the bytes this rank moved through collectives, per step."""
 
     def __init__(self) -> None:
-        self.by_step: dict[int, int] = {}
-        self.by_collective: dict[str, int] = {}
+        self.by_step: dict[int, dict[str, int]] = {}
+        # Set around validation and sampling: their gathers are not a training step's.
+        self.paused = False
 
     def __call__(self, ev: Event) -> None:
-        if ev.collective:
-            self.by_step[ev.step] = self.by_step.get(ev.step, 0) + ev.bytes
-            self.by_collective[ev.collective] = self.by_collective.get(ev.collective, 0) + ev.bytes
+        if ev.collective and not self.paused:
+            step = self.by_step.setdefault(ev.step, {})
+            step[ev.collective] = step.get(ev.collective, 0) + ev.bytes
 
-    def last_step_bytes(self) -> int:
-        """Bytes of the last complete step seen (the first step may differ: no prefetch yet)."""
-        return self.by_step[max(self.by_step)] if self.by_step else 0
+    def last_step(self) -> dict[str, int]:
+        """Bytes by collective in the last step seen (later steps repeat it exactly)."""
+        return dict(self.by_step[max(self.by_step)]) if self.by_step else {}
 
 
 class MetricsFile:

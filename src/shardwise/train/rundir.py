@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..checkpoint.atomic import is_complete
 from .config import Config, dumps_toml
 
 CKPT_DIR = "checkpoints"
@@ -30,7 +31,9 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _CKPT_RE.match(p.name)
-        if m and p.is_dir() and any(p.iterdir()):
+        # Only published checkpoints: a save that crashed leaves `step-N.partial` (ignored by
+        # the pattern) or a folder without its manifest.
+        if m and p.is_dir() and is_complete(str(p)):
             found.append((int(m.group(1)), p))
     return sorted(found)
 

@@ -128,6 +128,29 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
     return total.item() / (world * cfg.train.eval_batches)
 
 
+class _EventLog:
+    """The engine's events for a bounded number of steps: counted, and written per rank."""
+
+    def __init__(self, model: GPT, path: Path, write: bool) -> None:
+        self.model = model
+        self.counter = ByteCounter()
+        self.file = path.open("a") if write else None
+        self.sinks: list[Any] = [self.counter]
+        if self.file is not None:
+            self.sinks.append(JsonlSink(self.file))
+        for sink in self.sinks:
+            attach_sink(model, sink)
+
+    def stop(self) -> None:
+        """Detach (the engine pays nothing from here on) and close; idempotent."""
+        for sink in self.sinks:
+            detach_sink(self.model, sink)
+        self.sinks = []
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 def _rng_state() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
@@ -140,9 +163,6 @@ def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
          stream: D.BatchStream, keep: int, rank: int) -> Path:
     """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones."""
     path = rundir.checkpoint_path(run_dir, step)
-    if not hasattr(sw, "save_checkpoint"):  # TEMPORARY until checkpoint/sharded.py lands
-        log.warning("sw.save_checkpoint is not available yet: no checkpoint written")
-        return path
     extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state()}
     sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
     dist.barrier()
@@ -207,14 +227,8 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                "train_bytes": len(parts.train), "val_bytes": len(parts.val),
                "threads": torch.get_num_threads()})
 
-    counter = ByteCounter()
-    attach_sink(model, counter)
-    events_file = None
-    if cfg.log.event_steps != 0:
-        events_file = (run_dir / f"events-rank{rank}.jsonl").open("a")
-        jsonl = JsonlSink(events_file)
-        attach_sink(model, jsonl)
     # Count bytes over a few steps even when no event file is written, then stop paying.
+    events = _EventLog(model, run_dir / f"events-rank{rank}.jsonl", cfg.log.event_steps != 0)
     count_until = start + max(cfg.log.event_steps, 3) if cfg.log.event_steps >= 0 else t.steps
     metrics = MetricsFile(run_dir / "metrics.jsonl") if rank == 0 else None
 
@@ -251,13 +265,11 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                   "memory_mb": [round(r[1], 1) for r in per_rank],
                   "time_s": round(time.perf_counter() - t_begin, 3)}
         if step == count_until:
-            detach_sink(model, counter)
-            if events_file is not None:
-                detach_sink(model, jsonl)
-                events_file.close()
-                events_file = None
+            events.stop()
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
+            events.counter.paused = True
             val_loss = evaluate(model, parts.val, cfg, rank, world, device)
+            events.counter.paused = False
             record["val_loss"] = val_loss
             rep.eval(step, val_loss)
         if metrics is not None:
@@ -266,19 +278,21 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps:
             path = save(run_dir, step, model, opt, stream, cfg.checkpoint.keep, rank)
             rep.checkpoint(step, str(path))
-    if events_file is not None:
-        events_file.close()
     if metrics is not None:
         metrics.close()
 
+    events.counter.paused = True
     sample = _sample(model, cfg, device)
+    events.stop()
     if rank == 0 and sample:
         (run_dir / "sample.txt").write_text(sample)
     state_mb = local_params * STATE_BYTES_PER_PARAM / MB
-    rows = _gather([peak_memory_mb(device), state_mb, float(counter.last_step_bytes())], device)
+    comm = events.counter.last_step()
+    rows = _gather([peak_memory_mb(device), state_mb, float(sum(comm.values()))], device)
     tail = losses[-10:]
     summary = {
-        "run_dir": str(run_dir), "steps": t.steps, "world": world, "params": n_params,
+        "run_dir": str(run_dir), "steps": t.steps, "start_step": start, "world": world,
+        "params": n_params,
         "final_loss": losses[-1], "final_loss_avg10": sum(tail) / len(tail),
         "final_val_loss": val_loss,
         "tokens_per_s": timed_tokens / timed_s if timed_s else math.nan,
@@ -286,6 +300,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
         "state_mb": [r[1] for r in rows],
         "unsharded_state_mb": n_params * STATE_BYTES_PER_PARAM / MB,
         "bytes_per_step": [int(r[2]) for r in rows],
+        "bytes_per_step_rank0": comm if rank == 0 else {},
         "sample": sample, "device": device.type,
         "wall_s": time.perf_counter() - t_begin,
     }
