@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/shardwise demo
+	$(BIN)/shardwise train
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

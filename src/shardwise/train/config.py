@@ -121,7 +121,7 @@ class TrainSection:
     eval_batches: micro-batches per rank per validation pass.
     """
 
-    steps: int = 300
+    steps: int = 1000
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-3
@@ -179,7 +179,7 @@ class CheckpointSection:
     keep: how many of the latest checkpoints to keep.
     """
 
-    interval: int = 100
+    interval: int = 250
     keep: int = 2
 
     def __post_init__(self) -> None:
