@@ -28,7 +28,6 @@ def params_and_grads_match(
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full gradients of a sharded model, gathered (test-only, through all_gather)."""
     from shardwise.engine import collectives as C
-
     from shardwise.engine.fully_shard import named_sharded_params
 
     out = {}
@@ -112,3 +111,53 @@ def grid(rank: int, world: int, kinds: list[str], strategies: list[str],
                 policy = resolve_policy(POLICIES[pol] if pol in POLICIES else pol)
                 out[f"{kind}/{strategy}/{pol}"] = run_case(rank, world, kind, strategy, policy)
     return out
+
+
+def changing_order(rank: int, world: int, strategy: str) -> float:
+    """The forward order of the blocks changes every step; prefetch must follow it."""
+    import random
+
+    from shardwise.engine.fully_shard import units_of
+
+    model = make_model("lm", 4)
+    ref = copy.deepcopy(model)
+    ref.head.weight = ref.embed.weight
+
+    def forward(m: torch.nn.Module, idx: torch.Tensor, order: list[int]) -> torch.Tensor:
+        x = m.embed(idx) + m.pos[: idx.shape[1]]
+        for i in order:
+            x = m.blocks[i](x)
+        return m.head(m.norm(x))
+
+    sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rng = random.Random(0)  # same permutations on every rank
+    recorded = []
+    worst = 0.0
+    for step in range(5):
+        order = list(range(len(model.blocks)))
+        rng.shuffle(order)
+        x, y = make_batch("lm", 300 + step, PER_RANK * world)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        # The root's forward must run the blocks for its hooks: call it via a tiny wrapper.
+        model.forward = lambda idx, o=order: forward(model, idx, o)  # type: ignore[method-assign]
+        loss_fn("lm", model(x[mine]), y[mine]).backward()
+        loss_fn("lm", forward(ref, x, order), y).backward()
+        for fqn, (g, _missing) in grads_of(model).items():
+            rp = dict(ref.named_parameters())[fqn]
+            if rp.requires_grad:
+                diff = (g - rp.grad).abs().max().item()
+                assert diff < 1e-5, f"step {step} order {order}: {fqn} grad off by {diff}"
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ctx = units_of(model)[-1].ctx
+        recorded.append([u.name for u in ctx.order])
+        worst = max(worst, params_and_grads_match(model, ref, 1e-5, f"order/{strategy}"))
+    # The recorded order followed the blocks' order of each step.
+    assert len({tuple(r) for r in recorded}) > 1, recorded
+    if strategy == "FULL_SHARD" and world > 1:
+        assert ctx.prefetches > 0, "no all-gather was ever prefetched"
+    return worst

@@ -17,3 +17,11 @@ def test_parity_grid(world: int) -> None:
     worst = max(max(r.values()) for r in results)
     assert worst < 1e-5
     assert len(results[0]) == 3 * 4 + 3 * 3  # lm: 4 policies, mlp: 3 (no transformer)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefetch_order_changes_between_steps(world: int) -> None:
+    from tests.dist.parity import changing_order
+
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        assert max(run_distributed(changing_order, world, strategy)) < 1e-5

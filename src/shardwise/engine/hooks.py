@@ -49,6 +49,8 @@ class RootContext:
         self.order: list[Unit] = []
         self.order_now: list[Unit] = []
         self.prefetch_enabled = True
+        # All-gathers issued ahead of need (a statistic; tests check prefetching happens).
+        self.prefetches = 0
         self.pending: deque[PendingReduce] = deque()
         self._final_queued = False
         self.sinks: list[EventSink] = []
@@ -90,6 +92,7 @@ class RootContext:
         in_flight = sum(1 for u in self.units if u.state is ShardedState.GATHERING)
         if in_flight < MAX_GATHERS_IN_FLIGHT:
             unit.unshard(async_op=True)
+            self.prefetches += 1
 
     def post_forward_root(self) -> None:
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: shardwise vs PyTorch FSDP2, DDP and the no-communication bound."""

@@ -1,0 +1,134 @@
+"""The benchmark worker: every system, alternating repeats, in one process group.
+
+Machines are noisy, so systems are measured in rounds: each round runs every system once
+(in a rotated order) for a few timed steps, and the report takes each system's median step
+time over all rounds. Peak RSS is reset before each system (Linux `clear_refs` 5) so each
+system's high-water mark is its own.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .systems import SYSTEMS, model_state_bytes
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to benchmark.
+
+    preset: a shardwise.train.model preset name, or "bench30m" (a ~30M-parameter GPT).
+    batch_size: sequences per rank per step.
+    seq_len: tokens per sequence.
+    rounds: measurement rounds (each runs every system once).
+    steps: timed steps per system per round (after one warm-up step).
+    systems: which systems (names from SYSTEMS).
+    threads: torch intra-op threads per rank.
+    """
+
+    preset: str = "bench30m"
+    batch_size: int = 2
+    seq_len: int = 128
+    rounds: int = 3
+    steps: int = 4
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    threads: int = 1
+
+
+def make_config(preset: str, seq_len: int):
+    from ..train.model import GPTConfig
+    from ..train.model import preset as get_preset
+
+    if preset == "bench30m":
+        return GPTConfig(vocab_size=256, block_size=seq_len, n_layer=10, n_head=8, d_model=512)
+    cfg = get_preset(preset)
+    return get_preset(preset, block_size=max(cfg.block_size, seq_len))
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    from ..train.model import GPT
+
+    cfg = make_config(bc.preset, bc.seq_len)
+    gc.collect()
+    dist.barrier()
+    base = _rss_now()
+    _reset_peak()
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, opt = SYSTEMS[name](model)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g)
+    times = []
+    for step in range(bc.steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False) if step == bc.steps else opt.zero_grad()
+        if step:  # step 0 warms up (lazy init, allocator, recorded prefetch order)
+            times.append(time.perf_counter() - t0)
+    state = model_state_bytes(model, opt)
+    peak = _rss_peak()
+    del model, opt, loss
+    gc.collect()
+    return {"times": times, "peak_rss": peak, "rss_growth": peak - base,
+            "model_state_bytes": state, "params": n_params}
+
+
+def bench_worker(bc: BenchConfig) -> dict:
+    """Runs on every rank (under torchrun or shardwise.launch); returns this rank's results."""
+    import shardwise as sw
+
+    torch.set_num_threads(bc.threads)
+    rank, world, _ = sw.init_distributed()
+    results: dict[str, dict] = {n: {"times": [], "peak_rss": 0, "rss_growth": 0}
+                                for n in bc.systems}
+    names = list(bc.systems)
+    for r in range(bc.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            res = _one_system(name, bc, rank, seed=r)
+            out = results[name]
+            out["times"] += res["times"]
+            out["peak_rss"] = max(out["peak_rss"], res["peak_rss"])
+            out["rss_growth"] = max(out["rss_growth"], res["rss_growth"])
+            out["model_state_bytes"] = res["model_state_bytes"]
+            out["params"] = res["params"]
+    for out in results.values():
+        out["median_s"] = statistics.median(out["times"])
+    return {"rank": rank, "world": world, "pid": os.getpid(), "results": results}

@@ -1,0 +1,86 @@
+"""The systems a benchmark compares, each built the same way on the same model.
+
+Every builder takes a freshly initialized, unsharded model (identical on every rank) and
+returns (model, optimizer). The no-communication bound is the same per-rank work (forward,
+backward and AdamW step of the full model on this rank's batch) with no collectives at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+LR = 1e-4
+
+
+def _block_types(model: nn.Module) -> tuple[type, ...]:
+    from ..engine.policies import find_block_classes
+
+    return tuple(find_block_classes(model))
+
+
+def build_shardwise(strategy: str) -> Callable[[nn.Module], tuple[nn.Module, object]]:
+    def build(model: nn.Module) -> tuple[nn.Module, object]:
+        import shardwise as sw
+
+        sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer")
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    return build
+
+
+def build_fsdp2(model: nn.Module) -> tuple[nn.Module, object]:
+    # PyTorch's own FSDP2, with the same units as shardwise: each block, then the root.
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = _block_types(model)
+    for m in list(model.modules()):
+        if isinstance(m, blocks):
+            fully_shard(m)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def build_ddp(model: nn.Module) -> tuple[nn.Module, object]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR)
+
+
+def build_nocomm(model: nn.Module) -> tuple[nn.Module, object]:
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+SYSTEMS: dict[str, Callable[[nn.Module], tuple[nn.Module, object]]] = {
+    "shardwise FULL_SHARD": build_shardwise("FULL_SHARD"),
+    "shardwise SHARD_GRAD_OP": build_shardwise("SHARD_GRAD_OP"),
+    "shardwise NO_SHARD": build_shardwise("NO_SHARD"),
+    "torch FSDP2": build_fsdp2,
+    "torch DDP": build_ddp,
+    "no-comm bound": build_nocomm,
+}
+REFERENCE = "shardwise FULL_SHARD"
+
+
+def model_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of parameters + gradients + optimizer state this rank holds (local tensors)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2) -> shard
+
+    total = 0
+    for p in model.parameters():
+        lp = local(p)
+        total += lp.numel() * lp.element_size()
+        if p.grad is not None:
+            g = local(p.grad)
+            total += g.numel() * g.element_size()
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                lv = local(v)
+                total += lv.numel() * lv.element_size()
+    return total

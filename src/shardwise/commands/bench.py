@@ -1,0 +1,119 @@
+"""`shardwise bench`: shardwise vs PyTorch FSDP2, DDP and the no-communication bound.
+
+One launch runs every system on the same model and data in alternating rounds and prints
+median step time, tokens/s, peak RSS per rank, model-state bytes per rank, and each ratio
+to shardwise FULL_SHARD. `--scaling` measures shardwise at world sizes 1, 2 and 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from shardwise.bench.runner import BenchConfig, bench_worker
+from shardwise.bench.systems import REFERENCE, SYSTEMS
+
+MB = 2**20
+
+
+def summarize(per_rank: list[dict], bc: BenchConfig) -> dict:
+    world = per_rank[0]["world"]
+    rows = {}
+    for name in bc.systems:
+        rs = [r["results"][name] for r in per_rank]
+        step = max(r["median_s"] for r in rs)  # the slowest rank sets the pace
+        rows[name] = {
+            "median_step_s": step,
+            "tokens_per_s": world * bc.batch_size * bc.seq_len / step,
+            "peak_rss_bytes": max(r["peak_rss"] for r in rs),
+            "rss_growth_bytes": max(r["rss_growth"] for r in rs),
+            "model_state_bytes_per_rank": max(r["model_state_bytes"] for r in rs),
+            "params": rs[0]["params"],
+        }
+    ref = rows.get(REFERENCE)
+    if ref:
+        for row in rows.values():
+            row["step_time_vs_shardwise"] = row["median_step_s"] / ref["median_step_s"]
+            row["peak_rss_vs_shardwise"] = row["peak_rss_bytes"] / ref["peak_rss_bytes"]
+    return {"world_size": world, "config": bc.__dict__ | {"systems": list(bc.systems)},
+            "systems": rows}
+
+
+def print_table(summary: dict) -> None:
+    rows = summary["systems"]
+    params = next(iter(rows.values()))["params"]
+    cfg = summary["config"]
+    print(f"\n{params / 1e6:.1f}M parameters, {summary['world_size']} ranks, batch "
+          f"{cfg['batch_size']} x {cfg['seq_len']} per rank, {cfg['rounds']} rounds x "
+          f"{cfg['steps']} steps")
+    head = (f"{'system':<26}{'step ms':>9}{'tok/s':>9}{'peak RSS MB':>13}{'state MB':>10}"
+            f"{'time / sw':>11}{'RSS / sw':>10}")
+    print(head)
+    print("-" * len(head))
+    for name, r in rows.items():
+        print(f"{name:<26}{1e3 * r['median_step_s']:>9.1f}{r['tokens_per_s']:>9.0f}"
+              f"{r['peak_rss_bytes'] / MB:>13.0f}{r['model_state_bytes_per_rank'] / MB:>10.1f}"
+              f"{r.get('step_time_vs_shardwise', float('nan')):>11.2f}"
+              f"{r.get('peak_rss_vs_shardwise', float('nan')):>10.2f}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench30m",
+                    help="model: 'bench30m' (~30M-param GPT) or a train preset (tiny, small...)")
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
+    ap.add_argument("--scaling", action="store_true",
+                    help="shardwise FULL_SHARD at world sizes 1, 2 and 4 instead")
+    ap.add_argument("--json", type=Path, default=None, help="write results to this file")
+    args = ap.parse_args(argv)
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown systems {unknown}; allowed: {', '.join(SYSTEMS)}")
+    for flag in ("batch_size", "seq_len", "nproc", "rounds", "steps", "threads"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    from shardwise.launch import launch
+
+    started = time.time()
+    if args.scaling:
+        out = {"mode": "scaling", "runs": []}
+        for world in (1, 2, 4):
+            bc = BenchConfig(args.preset, args.batch_size, args.seq_len, args.rounds,
+                             args.steps, (REFERENCE,), args.threads)
+            print(f"world size {world} ...", file=sys.stderr, flush=True)
+            summary = summarize(launch(bench_worker, world, bc), bc)
+            out["runs"].append(summary)
+        print(f"\nscaling: shardwise FULL_SHARD, {args.preset}, batch {args.batch_size} x "
+              f"{args.seq_len} per rank")
+        print(f"{'ranks':>6}{'step ms':>10}{'tok/s':>10}{'peak RSS MB':>13}{'state MB/rank':>15}")
+        for s in out["runs"]:
+            r = s["systems"][REFERENCE]
+            print(f"{s['world_size']:>6}{1e3 * r['median_step_s']:>10.1f}"
+                  f"{r['tokens_per_s']:>10.0f}{r['peak_rss_bytes'] / MB:>13.0f}"
+                  f"{r['model_state_bytes_per_rank'] / MB:>15.1f}")
+    else:
+        bc = BenchConfig(args.preset, args.batch_size, args.seq_len, args.rounds, args.steps,
+                         systems, args.threads)
+        print(f"benchmarking {len(systems)} systems on {args.nproc} ranks ...",
+              file=sys.stderr, flush=True)
+        out = summarize(launch(bench_worker, args.nproc, bc), bc)
+        print_table(out)
+    out["command"] = "shardwise bench " + " ".join(argv)
+    out["wall_s"] = round(time.time() - started, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
