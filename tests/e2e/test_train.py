@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.observe.events import COLLECTIVES, PHASES, Event
-from shardwise.train import config as C
+from shardwise.train import options as O
 from shardwise.train.metrics import MetricsFile, read_metrics
 
 STEPS = 6
@@ -69,7 +69,7 @@ def test_run_folder_contents(run: tuple[Path, str]) -> None:
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step-0000004", "step-0000006"]
     assert (run_dir / "sample.txt").read_text().startswith("def ")
-    cfg = C.build(C.read_toml(run_dir / "config.toml"))
+    cfg = O.build(O.read_toml(run_dir / "config.toml"))
     assert cfg.name == "base" and cfg.model.preset == "tiny" and cfg.train.steps == STEPS
     assert cfg.resume is False
 
@@ -152,7 +152,7 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
-    assert all(f"--{key} (" in text for key in C.all_keys())
+    assert all(f"--{key} (" in text for key in O.all_keys())
 
 
 def test_two_torchrun_agents_form_a_two_node_hybrid_job(tmp_path: Path) -> None:

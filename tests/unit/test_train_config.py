@@ -7,27 +7,28 @@ import dataclasses
 import pytest
 
 from shardwise.train import config as C
+from shardwise.train import options as O
 
 
 def test_every_field_is_documented_and_in_help() -> None:
-    text = C.help_text()
+    text = O.help_text()
     assert "(undocumented)" not in text
-    for key in C.all_keys():
+    for key in O.all_keys():
         assert f"--{key} (" in text, key
     for s in C.SECTIONS:
         cls = type(getattr(C.Config(), s))
-        docs = C.field_docs(cls)
+        docs = O.field_docs(cls)
         assert set(docs) >= {f.name for f in dataclasses.fields(cls)}, cls.__name__
 
 
 def test_overrides_convert_types() -> None:
-    values, path = C.parse_argv([
+    values, path = O.parse_argv([
         "--train.steps", "12", "--train.lr=1e-3", "--shard.cpu_offload",
         "--resume", "--name", "x", "--model.preset", "tiny", "--config", "f.toml",
         "--shard.sharding_strategy", "shard_grad_op", "--data.max_bytes", "1_000_000",
     ])
     assert path == "f.toml"
-    cfg = C.build(values)
+    cfg = O.build(values)
     assert cfg.train.steps == 12 and cfg.train.lr == 1e-3
     assert cfg.shard.cpu_offload is True and cfg.resume is True and cfg.name == "x"
     assert cfg.shard.sharding_strategy == "SHARD_GRAD_OP"
@@ -35,23 +36,23 @@ def test_overrides_convert_types() -> None:
 
 
 def test_bool_flag_takes_explicit_value() -> None:
-    values, _ = C.parse_argv(["--shard.cpu_offload", "false", "--overwrite"])
-    cfg = C.build(values)
+    values, _ = O.parse_argv(["--shard.cpu_offload", "false", "--overwrite"])
+    cfg = O.build(values)
     assert cfg.shard.cpu_offload is False and cfg.overwrite is True
 
 
 def test_toml_then_command_line(tmp_path) -> None:
     f = tmp_path / "run.toml"
     f.write_text('name = "a"\n[train]\nsteps = 7\nlr = 0.01\n[model]\npreset = "tiny"\n')
-    merged = {**C.read_toml(f), **C.parse_argv(["--train.steps", "9"])[0]}
-    cfg = C.build(merged)
+    merged = {**O.read_toml(f), **O.parse_argv(["--train.steps", "9"])[0]}
+    cfg = O.build(merged)
     assert (cfg.name, cfg.train.steps, cfg.train.lr, cfg.model.preset) == ("a", 9, 0.01, "tiny")
 
 
 def test_resolved_config_round_trips() -> None:
-    cfg = C.build({"train.steps": "3", "log.sample_prompt": 'say "hi"\n',
+    cfg = O.build({"train.steps": "3", "log.sample_prompt": 'say "hi"\n',
                    "shard.cpu_offload": True})
-    again = C.build(C.flatten_toml(C.tomllib.loads(C.dumps_toml(cfg))))
+    again = O.build(O.flatten_toml(O.tomllib.loads(O.dumps_toml(cfg))))
     assert again == cfg
 
 
@@ -72,7 +73,7 @@ def test_resolved_config_round_trips() -> None:
 ])
 def test_errors_name_the_value(argv: list[str], needle: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
-        C.build(C.parse_argv(argv)[0])
+        O.build(O.parse_argv(argv)[0])
     assert needle in str(e.value)
 
 
@@ -80,9 +81,9 @@ def test_bad_toml_file(tmp_path) -> None:
     f = tmp_path / "bad.toml"
     f.write_text("[train\nsteps = 1\n")
     with pytest.raises(ValueError, match="not valid TOML"):
-        C.read_toml(f)
+        O.read_toml(f)
     with pytest.raises(ValueError, match="does not exist"):
-        C.read_toml(tmp_path / "missing.toml")
+        O.read_toml(tmp_path / "missing.toml")
     f.write_text("[train]\nsteps = \"many\"\n")
     with pytest.raises(ValueError, match="train.steps='many'"):
-        C.build(C.read_toml(f))
+        O.build(O.read_toml(f))

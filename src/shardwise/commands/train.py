@@ -10,27 +10,29 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from ..train import config as C
+from ..train import options as O
 from ..train import rundir
 
 
 def load_config(argv: list[str]) -> C.Config:
     """Defaults < (on --resume: the run's saved config.toml) < --config FILE < the command line."""
-    values, config_path = C.parse_argv(argv)
-    file_values = C.read_toml(config_path) if config_path else {}
+    values, config_path = O.parse_argv(argv)
+    file_values = O.read_toml(config_path) if config_path else {}
     merged = {**file_values, **values}
-    cfg = rundir.resolve_name(C.build(merged))
+    cfg = rundir.resolve_name(O.build(merged))
     if cfg.resume:
-        saved_path = rundir.Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
-        saved = C.read_toml(saved_path) if saved_path.exists() else {}
+        saved_path = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
+        saved = O.read_toml(saved_path) if saved_path.exists() else {}
         # Actions and placement belong to this invocation, not to the saved run.
         for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads"):
             saved.pop(k, None)
-        cfg = C.build({**saved, **merged, "name": cfg.name})
+        cfg = O.build({**saved, **merged, "name": cfg.name})
     return cfg
 
 
@@ -127,7 +129,7 @@ def default_nproc() -> int:
 
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(C.help_text())
+        print(O.help_text())
         return 0
     from ..launch import launch, under_torchrun
 

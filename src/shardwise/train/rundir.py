@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 from ..checkpoint.atomic import is_complete
-from .config import Config, dumps_toml
+from .config import Config
+from .options import dumps_toml
 
 CKPT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step-(\d+)$")

@@ -96,6 +96,24 @@ def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> Path:
     return Path(box[0])
 
 
+def build_model(cfg: Config) -> GPT:
+    """The GPT built on the meta device, sharded with the config's knobs, then materialized:
+    each rank allocates and initializes only its own shards."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = GPT(cfg.model.gpt())
+    s = cfg.shard
+    sw.shard_model(
+        model,
+        sharding_strategy=s.sharding_strategy,
+        auto_wrap_policy=None if s.auto_wrap_policy == "none" else s.auto_wrap_policy,
+        mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
+        cpu_offload=s.cpu_offload,
+    )
+    sw.materialize(model, seed=cfg.train.seed)
+    return model
+
+
 def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer:
     # Decay matrices only (norm gains are 1-D). Sharded parameters keep their dimensionality
     # (a row slice of the original), so this split is the same as unsharded.
@@ -199,19 +217,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     parts = D.split(text, cfg.data.val_fraction, seq)
     stream = D.BatchStream(parts.train, seq, t.batch_size, rank, world, cfg.data.seed, device)
 
-    torch.manual_seed(t.seed)
-    with torch.device("meta"):
-        model = GPT(gcfg)
-    sw.shard_model(
-        model,
-        sharding_strategy=cfg.shard.sharding_strategy,
-        auto_wrap_policy=None if cfg.shard.auto_wrap_policy == "none"
-        else cfg.shard.auto_wrap_policy,
-        mixed_precision=None if cfg.shard.mixed_precision == "fp32"
-        else cfg.shard.mixed_precision,
-        cpu_offload=cfg.shard.cpu_offload,
-    )
-    sw.materialize(model, seed=t.seed)
+    model = build_model(cfg)
     opt = _optimizer(model, t)
     start = resume(run_dir, model, opt, stream) if cfg.resume else 0
     if start >= t.steps:
