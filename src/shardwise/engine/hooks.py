@@ -188,6 +188,11 @@ def _lazy_init(unit: Unit) -> RootContext:
 def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx = unit.ctx if unit.ctx is not None else _lazy_init(unit)
+    if ctx.state is TrainingState.BACKWARD:
+        # Activation checkpointing re-runs forward inside backward: the unit is needed
+        # unsharded, and nothing about the step's order or resharding may change.
+        unit.wait_unshard()
+        return args, kwargs
     if unit.is_root:
         ctx.pre_forward_root()
     ctx.record(unit)
@@ -205,6 +210,8 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx: RootContext = unit.ctx  # type: ignore[assignment]
+    if ctx.state is TrainingState.BACKWARD:
+        return output  # a recomputation (activation checkpointing): see forward_pre_hook
     if ctx.sinks:
         unit._emit("forward", "", 0, unit.t_compute)
     if unit.reshard_after_forward and not unit.is_root:
