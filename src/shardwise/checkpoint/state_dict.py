@@ -9,6 +9,7 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.sharded_param import ShardedParam
+from .sync import agree
 
 
 def _sp(t: torch.Tensor) -> ShardedParam | None:
@@ -91,8 +92,8 @@ def load_full_state_dict(
             err = "load_full_state_dict got sd=None on a rank that must provide it"
         else:
             err = _check(model_sd, sd, strict)
-    if not C.agree(err is None):
-        raise ValueError(err or "rank 0 rejected the state dict (see rank 0's error)")
+    # Raised on every rank with the failing rank's message, before any tensor moves.
+    agree(ValueError(err) if err else None)
     broadcast = from_rank0 and C.world_size() > 1
     device = torch.device("cpu")
     if broadcast:

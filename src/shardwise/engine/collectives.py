@@ -133,6 +133,17 @@ def agree(flag: bool, group: ProcessGroup | None = None) -> bool:
     return int(t.item()) == 0
 
 
+def same_on_all(value: int, group: ProcessGroup | None = None) -> bool:
+    """True on every rank iff every rank passed the same integer (two tiny all-reduces)."""
+    if not is_initialized() or world_size(group) == 1:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64)
+    if backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t[0].item()) == value and int(-t[1].item()) == value
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     if is_initialized():
         dist.barrier(group=group)

@@ -18,6 +18,7 @@ end of forward. The new order is used from the next step on.
 from __future__ import annotations
 
 import enum
+import zlib
 from collections import deque
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..observe.events import EventSink, now
+from . import collectives as C
 from .unit import PendingReduce, ShardedState, Unit
 
 MAX_GATHERS_IN_FLIGHT = 2
@@ -172,6 +174,7 @@ def _lazy_init(unit: Unit) -> RootContext:
                 )
             u.name = name
             units.append(u)
+    _check_same_layout(units)
     ctx = RootContext(unit, units)
     ctx.prefetch_enabled = getattr(root_mod, "_sw_prefetch", True)
     # Sinks attached before the first forward (see observe.sinks.attach_sink).
@@ -183,6 +186,26 @@ def _lazy_init(unit: Unit) -> RootContext:
         u.pool = unit.pool
     unit.is_root = True
     return ctx
+
+
+def _check_same_layout(units: list[Unit]) -> None:
+    """Every rank must shard the same model the same way, or collectives would mismatch.
+
+    One small all-reduce at the first forward turns a diverging rank (another model, other
+    shapes, another wrap policy) into an error on every rank instead of a hang or garbage.
+    """
+    desc = ";".join(
+        f"{u.name}:" + ",".join(f"{tuple(p.orig_shape)}{p.orig_dtype}{p.compute_dtype}"
+                                for p in u.params)
+        for u in units
+    )
+    fingerprint = zlib.crc32(desc.encode()) & 0x7FFFFFFF
+    if not C.same_on_all(fingerprint):
+        raise RuntimeError(
+            f"rank {C.rank()}: ranks disagree on the sharded model ({len(units)} units here, "
+            f"layout fingerprint {fingerprint}); every rank must build the same model and call "
+            "shard_model/fully_shard with the same arguments"
+        )
 
 
 def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
