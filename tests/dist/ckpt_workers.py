@@ -133,8 +133,12 @@ def make_mlp_sharded() -> torch.nn.Module:
 
 
 def resume(rank: int, world: int, root: str, strategy: str, policy: object,
-           save_as: str | None = None) -> dict:
-    """Load c2 into a model sharded at this world size/strategy, take one step, compare."""
+           save_as: str | None = None, no_shard_as: str | None = None) -> dict:
+    """Load c2 into a model sharded at this world size/strategy, take one step, compare.
+
+    `save_as`: save the stepped model there. `no_shard_as`: also load c2 (model only) into
+    a NO_SHARD model and save that (every rank holds everything; rank 0 alone writes).
+    """
     model = make_model("lm", 7)  # different init: everything must come from the checkpoint
     sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy=policy)
     opt = make_opt(model)
@@ -144,9 +148,17 @@ def resume(rank: int, world: int, root: str, strategy: str, policy: object,
     train(model, opt, range(STEPS, STEPS + 1), rank, world)
     train(ref, ref_opt, range(STEPS, STEPS + 1), 0, 1)
     after = worst_diff(model, opt, ref, ref_opt)
-    files = None
+    files = no_shard_files = None
     if save_as is not None:
         path = os.path.join(root, save_as)
         sw.save_checkpoint(path, model, opt, step=STEPS + 1)
         files = sorted(os.listdir(path))
-    return {"extra": extra, "at_load": at_load, "after_step": after, "files": files}
+    if no_shard_as is not None:
+        replicated = make_model("lm", 8)
+        sw.shard_model(replicated, sharding_strategy="NO_SHARD", auto_wrap_policy=None)
+        sw.load_checkpoint(os.path.join(root, "c2"), replicated)
+        path = os.path.join(root, no_shard_as)
+        sw.save_checkpoint(path, replicated, step=STEPS)
+        no_shard_files = sorted(os.listdir(path))
+    return {"extra": extra, "at_load": at_load, "after_step": after, "files": files,
+            "no_shard_files": no_shard_files}

@@ -43,7 +43,7 @@ def test_resume_at_1_3_4_ranks_matches_uninterrupted_run(saved: tuple[str, list[
                                                           ) -> None:
     root, _ = saved
     # 3 ranks, another strategy and wrap policy; saving there writes 3 files.
-    r3 = run_distributed(W.resume, 3, root, "SHARD_GRAD_OP", "size", "c3")
+    r3 = run_distributed(W.resume, 3, root, "SHARD_GRAD_OP", "size", "c3", "c3n")
     # 4 ranks as 2 replicas x 2 shards: only replica 0 writes.
     r4 = run_distributed(W.resume, 4, root, "HYBRID_SHARD", "transformer", "c4",
                          env={"LOCAL_WORLD_SIZE": "2"})
@@ -53,6 +53,7 @@ def test_resume_at_1_3_4_ranks_matches_uninterrupted_run(saved: tuple[str, list[
     assert r4[0]["files"] == ["manifest.json", "rank00000.safetensors",
                               "rank00001.safetensors"]
     assert r3[0]["files"] == ["manifest.json"] + [f"rank0000{r}.safetensors" for r in range(3)]
+    assert r3[0]["no_shard_files"] == ["manifest.json", "rank00000.safetensors"]
     # 1 rank, in this process (no process group), NO_SHARD: from c2, and from c4 (saved
     # by HYBRID_SHARD at step STEPS + 1) one more step.
     one = W.resume(0, 1, root, "NO_SHARD", None)
@@ -63,6 +64,13 @@ def test_resume_at_1_3_4_ranks_matches_uninterrupted_run(saved: tuple[str, list[
     assert sw.load_checkpoint(os.path.join(root, "c4"), model, opt) is None
     ref, ref_opt = W.reference(W.STEPS + 1)
     assert W.worst_diff(model, opt, ref, ref_opt) < W.TOL
+    replicated = make_model("lm", 6)
+    sw.shard_model(replicated, auto_wrap_policy="transformer")
+    sw.load_checkpoint(os.path.join(root, "c3n"), replicated)
+    ref_at_save, _ = W.reference(W.STEPS)
+    full = sw.full_state_dict(replicated)
+    for name, p in ref_at_save.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=W.TOL)
     W.train(model, opt, range(W.STEPS + 1, W.STEPS + 2), 0, 1)
     W.train(ref, ref_opt, range(W.STEPS + 1, W.STEPS + 2), 0, 1)
     assert W.worst_diff(model, opt, ref, ref_opt) < W.TOL

@@ -229,6 +229,12 @@ def test_cli_export_offline_loads_with_load_file(ckpt: tuple, tmp_path: object,
         assert missing == ["head.weight"] and unexpected == []
         with torch.no_grad():
             torch.testing.assert_close(plain(x), want, rtol=0, atol=0)
+    # A .safetensors file name: exactly that file, however small the limit.
+    single = os.path.join(str(tmp_path), "weights", "lm.safetensors")
+    assert export_cmd.main([path, single, "--max-shard-size", "400B"]) == 0
+    capsys.readouterr()
+    assert os.listdir(os.path.dirname(single)) == ["lm.safetensors"]
+    assert load_file(single).keys() == sd.keys()
     # Damage is refused by name, with a non-zero exit and no traceback.
     _flip(os.path.join(path, "rank00000.safetensors"), -1)
     assert export_cmd.main([path, os.path.join(str(tmp_path), "bad")]) == 1

@@ -68,19 +68,25 @@ def plan_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]
 class ConsolidatedWriter:
     """Writes `entries` in order into the HF layout under `out_dir`, one file at a time."""
 
-    def __init__(self, out_dir: str, entries: list[Entry], max_shard_bytes: int,
+    def __init__(self, out: str, entries: list[Entry], max_shard_bytes: int,
                  metadata: dict[str, str]) -> None:
-        self.out_dir = out_dir
-        self.shards = plan_shards(entries, max_shard_bytes)
+        # A file name: exactly that one file, whatever its size.
+        self.file_mode = out.endswith(".safetensors")
+        if self.file_mode:
+            self.out_dir, single = os.path.dirname(out), os.path.basename(out)
+            self.shards = [list(entries)]
+        else:
+            self.out_dir, single = out, SINGLE
+            self.shards = plan_shards(entries, max_shard_bytes)
         n = len(self.shards)
-        self.names = [SINGLE] if n == 1 else [
+        self.names = [single] if n == 1 else [
             f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.shard_of = {e.key: i for i, shard in enumerate(self.shards) for e in shard}
         self.metadata = metadata
         self.total = sum(e.nbytes for e in entries)
         self._current = -1
         self._writer: StreamWriter | None = None
-        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(self.out_dir, exist_ok=True)
 
     def _tmp(self, i: int) -> str:
         return os.path.join(self.out_dir, f".{self.names[i]}.partial")
@@ -118,6 +124,8 @@ class ConsolidatedWriter:
 
     def _remove_stale(self) -> None:
         """Files of an earlier export in the other layout would make the directory ambiguous."""
+        if self.file_mode:
+            return  # a file the caller named: the rest of its directory is not ours
         keep = set(self.names) | ({INDEX} if len(self.names) > 1 else set())
         for name in os.listdir(self.out_dir):
             if name in keep:
@@ -146,8 +154,10 @@ def _metadata(aliases: dict[str, str]) -> dict[str, str]:
 
 def export_safetensors(path: PathLike, model: nn.Module, *,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write the sharded `model`'s full weights as consolidated safetensors under `path`.
+    """Write the sharded `model`'s full weights as consolidated safetensors.
 
+    `path` is a directory (model.safetensors, or shards plus the index past
+    `max_shard_bytes`), or a file name ending in `.safetensors` (that one file, any size).
     Every rank must call it (tensors are all-gathered one at a time); rank 0 writes. Returns
     the paths of the weight files (on every rank).
     """
@@ -156,7 +166,7 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     names: list[str] = []
     try:
         _check_limit(max_shard_bytes)
-        out_dir = os.path.abspath(os.fspath(path))
+        out = os.path.abspath(os.fspath(path))
         view = model_view(model)
         entries = []
         for e in view.entries:
@@ -167,9 +177,9 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
             entries.append(Entry(e.key, dtype, e.shape))
         if C.rank() == 0:
             try:
-                writer = ConsolidatedWriter(out_dir, entries, max_shard_bytes,
+                writer = ConsolidatedWriter(out, entries, max_shard_bytes,
                                             _metadata(view.aliases))
-                names = [os.path.join(out_dir, n) for n in writer.names]
+                names = [os.path.join(writer.out_dir, n) for n in writer.names]
             except OSError as e:
                 err = as_error(e)
     except (ValueError, RuntimeError) as e:
@@ -203,8 +213,9 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
 def export_checkpoint(checkpoint: PathLike, out: PathLike, *,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True,
                       progress: ProgressFn | None = None) -> list[str]:
-    """Offline: a sharded checkpoint directory -> consolidated safetensors under `out`.
+    """Offline: a sharded checkpoint directory -> consolidated safetensors at `out`.
 
+    `out` is a directory or a `.safetensors` file name, as for `export_safetensors`.
     One process, no process group; memory is bounded by the largest stored piece (at most
     one tensor). With `verify`, every file's SHA-256 is checked first.
     """
