@@ -161,3 +161,20 @@ def changing_order(rank: int, world: int, strategy: str) -> float:
     if strategy == "FULL_SHARD" and world > 1:
         assert ctx.prefetches > 0, "no all-gather was ever prefetched"
     return worst
+
+
+def holdings(rank: int, world: int) -> dict[str, int]:
+    """What this rank holds after one AdamW step: params, grads and optimizer state."""
+    model = make_model("lm", 0)
+    total = sum(p.numel() for p in model.parameters())
+    sw.shard_model(model, auto_wrap_policy="transformer")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = make_batch("lm", 0, PER_RANK)
+    loss_fn("lm", model(x), y).backward()
+    opt.step()
+    local = sum(p.numel() for p in model.parameters())
+    grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    return {"total": total, "local": local, "trainable": trainable, "grads": grads,
+            "state": state}

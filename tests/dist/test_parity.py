@@ -25,3 +25,18 @@ def test_prefetch_order_changes_between_steps(world: int) -> None:
 
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         assert max(run_distributed(changing_order, world, strategy)) < 1e-5
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_rank_holds_about_one_nth(world: int) -> None:
+    from tests.dist.parity import holdings
+
+    res = run_distributed(holdings, world)
+    total = res[0]["total"]
+    # Shards partition every parameter exactly: nothing lost, nothing held twice.
+    assert sum(r["local"] for r in res) == total
+    for r in res:
+        # dim-0 padding can give a rank up to one extra row per parameter
+        assert r["local"] <= total / world * 1.25, r
+        # AdamW: exp_avg + exp_avg_sq per trainable shard; gradients only for those.
+        assert r["state"] == 2 * r["trainable"] and r["grads"] == r["trainable"], r
