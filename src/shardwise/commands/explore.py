@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 import sys
 import threading
 import webbrowser
+from types import FrameType
+
+import uvicorn
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,8 +35,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    import uvicorn
-
     from shardwise.explorer.server import LOOPBACK_NAMES, create_app
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -72,7 +74,25 @@ def main(argv: list[str]) -> int:
     print(url, flush=True)
     if not args.no_browser:
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                             lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    server = _Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it handled; the shutdown already happened
     return 0
+
+
+class _Server(uvicorn.Server):
+    """Also ends the live SSE streams when asked to exit: uvicorn's graceful shutdown waits
+    for open responses, and an event stream to an open browser tab never ends by itself."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        end = getattr(self.config.app.state, "end_streams", None)
+        if end is not None:
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(end)
+            except RuntimeError:
+                pass  # no loop running yet: nothing is streaming
+        super().handle_exit(sig, frame)

@@ -182,6 +182,15 @@ def create_app(session: Session | None = None, replay: Replay | None = None,
                 await session.close()
 
     app = Starlette(routes=routes, lifespan=lifespan)
+
+    def end_streams() -> None:
+        # uvicorn waits for open responses before the lifespan shutdown runs, and an SSE
+        # response never ends by itself: the CLI calls this first (see commands/explore.py).
+        stopping.set()
+        if session is not None:
+            session.end_streams()
+
+    app.state.end_streams = end_streams
     if loopback_only:
         app.add_middleware(LoopbackHostOnly)
     return app

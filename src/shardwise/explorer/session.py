@@ -65,6 +65,9 @@ class Session:
         self.eval: dict | None = None
         self.train_loss: float | None = None
         self.seq = 0
+        # Bumped each time a run is built: tells the page its panels must be redrawn even
+        # when seed, step and config look the same as before.
+        self.run = 0
         self._lock = asyncio.Lock()
         self._train_task: asyncio.Task | None = None
         # Set by pause() to cut the wait between two animated steps short.
@@ -77,7 +80,8 @@ class Session:
         cfg = self.config.to_json()
         available, reason = offload_support(self.config.world_size)
         return {
-            "mode": "live", "seq": self.seq, "status": self.status, "error": self.error,
+            "mode": "live", "seq": self.seq, "run": self.run, "status": self.status,
+            "error": self.error,
             "training": self.training, "step": self.step, "steps": STEPS,
             "config": cfg, "seed": self.seed,
             "offload": {"available": available, "reason": reason},
@@ -148,6 +152,7 @@ class Session:
         self.ranks = _relative([{"rank": r, "device": devices[r] if r < len(devices) else "",
                                  **{k: v for k, v in rep.items() if k != "eval"}}
                                 for r, rep in enumerate(replies)])
+        self.run += 1
         self.history = [{"step": 0, "loss": self.eval["loss"],
                          "accuracy": self.eval["accuracy"], "train_loss": None}]
         self.status = "ready"

@@ -74,7 +74,7 @@ function apply(state) {
   const [text, kind] = statusText(state);
   setStatus(text, kind);
   renderControls(state);
-  const key = JSON.stringify([state.seed, state.step, state.config, state.ranks.length]);
+  const key = JSON.stringify([state.run, state.step, state.ranks.length]);
   if (key !== playKey) {
     playKey = key;
     renderRanks($("ranks"), state);
