@@ -54,6 +54,9 @@ class ConsoleReporter:
     def __init__(self) -> None:
         self.bar: tqdm | None = None
         self.tok_s = math.nan
+        # Not a terminal (a log file, CI): plain lines, about 20 per run, instead of a bar
+        # whose carriage returns would pile up in the file.
+        self.plain_every = 0
 
     def start(self, info: dict[str, Any]) -> None:
         cfg: C.Config = info["config"]
@@ -71,17 +74,23 @@ class ConsoleReporter:
         if info["start_step"]:
             print(f"  resumed at step {info['start_step']}")
         print(f"  run folder: {info['run_dir']}")
-        self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
-                        dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
+                            dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+        else:
+            self.plain_every = max(1, (info["steps"] - info["start_step"]) // 20)
 
     def step(self, record: dict[str, Any]) -> None:
         # A smoothed rate: single steps on a shared CPU are noisy.
         r = record["tokens_per_s"]
         self.tok_s = r if math.isnan(self.tok_s) else 0.8 * self.tok_s + 0.2 * r
+        line = (f"loss {record['loss']:.3f} | {self.tok_s:,.0f} tok/s | "
+                f"mem {_mem(record['memory_mb'])}")
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {self.tok_s:,.0f} tok/s | "
-                                     f"mem {_mem(record['memory_mb'])}", refresh=False)
+            self.bar.set_postfix_str(line, refresh=False)
             self.bar.update(1)
+        elif record["step"] % self.plain_every == 0:
+            print(f"step {record['step']:>5} | {line}", flush=True)
 
     def eval(self, step: int, val_loss: float) -> None:
         tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)

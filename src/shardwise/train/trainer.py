@@ -178,10 +178,11 @@ def _set_rng_state(s: str) -> None:
 
 
 def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
-         stream: D.BatchStream, keep: int, rank: int) -> Path:
+         stream: D.BatchStream, scaler: sw.ShardedGradScaler, keep: int, rank: int) -> Path:
     """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones."""
     path = rundir.checkpoint_path(run_dir, step)
-    extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state()}
+    extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state(),
+             "scaler": scaler.state_dict()}
     sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
     dist.barrier()
     if rank == 0:
@@ -190,7 +191,7 @@ def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
 
 
 def resume(run_dir: Path, model: GPT, opt: torch.optim.Optimizer,
-           stream: D.BatchStream) -> int:
+           stream: D.BatchStream, scaler: sw.ShardedGradScaler) -> int:
     """Load the latest checkpoint; return the step it was taken after."""
     step, path = rundir.checkpoints(run_dir)[-1]
     extra = sw.load_checkpoint(str(path), model, opt) or {}
@@ -199,6 +200,8 @@ def resume(run_dir: Path, model: GPT, opt: torch.optim.Optimizer,
     stream.load_state_dict(extra["data"])
     if "rng" in extra:
         _set_rng_state(extra["rng"])
+    if scaler.enabled and "scaler" in extra:
+        scaler.load_state_dict(extra["scaler"])
     return int(extra["step"])
 
 
@@ -219,7 +222,9 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
 
     model = build_model(cfg)
     opt = _optimizer(model, t)
-    start = resume(run_dir, model, opt, stream) if cfg.resume else 0
+    # fp16's narrow range needs loss scaling; bf16 and fp32 do not (the scaler is a no-op).
+    scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
+    start = resume(run_dir, model, opt, stream, scaler) if cfg.resume else 0
     if start >= t.steps:
         raise ValueError(f"the checkpoint is at step {start}; train.steps={t.steps} leaves "
                          "nothing to do (raise --train.steps to train further)")
@@ -255,10 +260,12 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
                 loss = model(x, y)
-                (loss / t.grad_accum).backward()
+                scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
+        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
         norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf)
-        opt.step()
+        stepped = scaler.step(opt)  # False when fp16 gradients overflowed on any rank
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
         dt = time.perf_counter() - t0
@@ -270,6 +277,8 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                   "tokens_per_s": tokens_per_step / dt,
                   "memory_mb": [round(r[1], 1) for r in per_rank],
                   "time_s": round(time.perf_counter() - t_begin, 3)}
+        if scaler.enabled:
+            record.update(loss_scale=scaler.get_scale(), skipped=not stepped)
         if step == count_until:
             events.stop()
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
@@ -282,7 +291,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
             metrics.write(record)
         rep.step(record)
         if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps:
-            path = save(run_dir, step, model, opt, stream, cfg.checkpoint.keep, rank)
+            path = save(run_dir, step, model, opt, stream, scaler, cfg.checkpoint.keep, rank)
             rep.checkpoint(step, str(path))
     if metrics is not None:
         metrics.close()
