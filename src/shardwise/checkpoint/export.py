@@ -180,9 +180,9 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
                 writer = ConsolidatedWriter(out, entries, max_shard_bytes,
                                             _metadata(view.aliases))
                 names = [os.path.join(writer.out_dir, n) for n in writer.names]
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - must reach agree()
                 err = as_error(e)
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - must reach agree()
         err = e
     agree(err)
 
@@ -196,14 +196,14 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
         if writer is not None and err is None:
             try:
                 writer.write(e.key, full)
-            except (OSError, ValueError) as ex:
+            except Exception as ex:  # noqa: BLE001 - must reach agree()
                 err = as_error(ex)
                 writer.abort()
         del full  # one full tensor at a time
     if writer is not None and err is None:
         try:
             writer.close()
-        except OSError as ex:
+        except Exception as ex:  # noqa: BLE001 - must reach agree()
             err = as_error(ex)
     agree(err)
     n = C.all_gather_bytes(json.dumps(names).encode())[0]  # rank 0 knows the names

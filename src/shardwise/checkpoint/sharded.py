@@ -88,14 +88,14 @@ def save_checkpoint(
             if s.local.is_meta:
                 raise RuntimeError(f"{s.name} is still on the meta device; materialize or "
                                    f"load the model before saving it")
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - must reach agree()
         err = e
     agree(err)
 
     if C.rank() == 0:
         try:
             atomic.prepare(target)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - must reach agree()
             err = as_error(e)
     agree(err)
 
@@ -104,7 +104,7 @@ def save_checkpoint(
     try:
         report = _write_rank_file(partial, slots)
         report["optim_state"] = opt_state
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - must reach agree()
         err = as_error(e)
     _fail_cleanly(err, target)
     atomic.crash_point("files_written")
@@ -118,7 +118,7 @@ def save_checkpoint(
             atomic.crash_point("manifest_written")
             atomic.publish(target)
             log.info("saved checkpoint %s (step %s, %d files)", target, step, len(m.files))
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # noqa: BLE001 - must reach agree()
             err = as_error(e)
     _fail_cleanly(err, target)
 
@@ -234,7 +234,7 @@ def load_checkpoint(
             optim_state.check(optimizer, view, m, ckpt)
         for name, info in sorted(m.files.items()):
             check_size(os.path.join(ckpt, name), info["bytes"])
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - must reach agree()
         err = e
     agree(err)
     assert m is not None
@@ -242,7 +242,7 @@ def load_checkpoint(
     if verify:
         try:
             verify_files(ckpt, m, C.rank(), C.world_size())
-        except CheckpointError as e:
+        except Exception as e:  # noqa: BLE001 - must reach agree()
             err = e
         agree(err)
 
@@ -259,7 +259,7 @@ def load_checkpoint(
                 plain.append((e.key, e.tensor, reader.read(name, 0, m.tensors[name].dim0)))
         if optimizer is not None:
             opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
-    except (CheckpointError, OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - must reach agree()
         err = as_error(e)
     finally:
         reader.close()
