@@ -186,7 +186,8 @@ def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
     sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
     dist.barrier()
     if rank == 0:
-        rundir.prune_checkpoints(run_dir, keep)
+        pruned = rundir.prune_checkpoints(run_dir, keep)
+        log.info("checkpoint %s (pruned %d older)", path, len(pruned))
     return path
 
 
