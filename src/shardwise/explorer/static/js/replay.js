@@ -85,8 +85,11 @@ function memoryChart(summary) {
       colour: RANK_COLOURS[r % 4], label: `rank ${r} peak working set (MB)` }));
   }
   const xs = series.flatMap((s) => s.points.map((p) => p[0]));
-  lineChart($("replay-memory"), series, { xMin: Math.min(...xs, 0), xMax: Math.max(...xs, 1),
-    xLabel: "step", yFmt: (v) => v.toFixed(1), xTicks: 10 });
+  const xMin = Math.min(...xs);
+  const xMax = Math.max(...xs, xMin + 1);
+  lineChart($("replay-memory"), series, { xMin, xMax, xLabel: "step",
+    yFmt: (v) => v.toFixed(1), xTicks: Math.min(10, xMax - xMin),
+    xFmt: (v) => String(Math.round(v)) });
 }
 
 function table(summary) {
@@ -101,6 +104,9 @@ function table(summary) {
 
 export async function startReplay() {
   const summary = await getJSON("/api/replay");
+  document.querySelector("h1").textContent = "Fully Sharded Data Parallel, replayed";
+  document.querySelector(".sub").textContent = `A recorded shardwise train run (${summary.path}),` +
+    ` ${summary.ranks.length} rank(s), ${summary.steps.length} step(s) with events.`;
   $("replay-name").textContent = summary.name;
   $("replay-config").textContent = summary.config_text || "(no config.toml)";
   if (summary.steps.length) $("replay-start").value = String(summary.steps[0]);
