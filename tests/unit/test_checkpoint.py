@@ -247,3 +247,33 @@ def test_parse_size() -> None:
     assert export_cmd.parse_size("1000") == 1000
     with pytest.raises(Exception, match="not a size"):
         export_cmd.parse_size("lots")
+
+
+def _rss_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs Linux /proc to reset the peak-memory mark")
+def test_offline_export_memory_is_bounded_by_the_largest_tensor(tmp_path: object) -> None:
+    from shardwise.checkpoint.export import export_checkpoint
+
+    # 8 tensors of 4 MiB (32 MiB of model, 96 MiB with AdamW state): a 4 MiB bound.
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)])
+    sw.shard_model(model, auto_wrap_policy=None)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    sw.save_checkpoint(ckpt, model, opt)
+    del model, opt
+    base = _rss_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM, the peak resident set, to now
+    export_checkpoint(ckpt, os.path.join(str(tmp_path), "out"))
+    peak = _rss_mb("VmHWM") - base
+    assert peak < 3 * 4, f"export peaked at +{peak:.1f} MiB for 4 MiB tensors (32 MiB model)"

@@ -247,6 +247,8 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, *,
             name = model_name(e.key)
             for _, a, b in m.tensors[name].pieces:
                 writer.write(e.key, reader.read(name, a, b))
+                # Unmap: pages of a memory-mapped file count as this process's memory.
+                reader.close()
         return writer.close()
     except BaseException:
         writer.abort()
