@@ -277,3 +277,19 @@ def test_offline_export_memory_is_bounded_by_the_largest_tensor(tmp_path: object
     export_checkpoint(ckpt, os.path.join(str(tmp_path), "out"))
     peak = _rss_mb("VmHWM") - base
     assert peak < 3 * 4, f"export peaked at +{peak:.1f} MiB for 4 MiB tensors (32 MiB model)"
+
+
+def test_leftovers_of_a_crash_while_deleting_are_ignored_then_cleaned(ckpt: tuple) -> None:
+    path, model, opt = ckpt
+    # A crash while deleting the old copy (its manifest goes first) or while writing.
+    for leftover in (atomic.previous_path(path), atomic.partial_path(path)):
+        os.makedirs(leftover)
+        open(os.path.join(leftover, "rank00000.safetensors"), "wb").write(b"half")
+    m2, _ = fresh()
+    sw.load_checkpoint(path, m2)
+    assert same_params(model, m2)
+    sw.save_checkpoint(path, model, opt)
+    assert sorted(os.listdir(os.path.dirname(path))) == ["ckpt"]
+    # Deleting a checkpoint that way never leaves one that looks complete.
+    atomic.remove(path)
+    assert not os.path.exists(path)

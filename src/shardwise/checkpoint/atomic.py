@@ -50,6 +50,20 @@ def is_complete(ckpt_dir: str) -> bool:
     return os.path.isfile(os.path.join(ckpt_dir, MANIFEST))
 
 
+def remove(ckpt_dir: str) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves it looking complete.
+
+    The manifest goes first (and durably): without it the rest is a leftover, not a
+    checkpoint with missing files.
+    """
+    try:
+        os.unlink(os.path.join(ckpt_dir, MANIFEST))
+        fsync_dir(ckpt_dir)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
 def check_target(target: str) -> None:
     """Refuse to replace something that is not a checkpoint (a typo must not delete data)."""
     if not os.path.lexists(target):
@@ -66,7 +80,7 @@ def prepare(target: str) -> str:
     prev = previous_path(target)
     if is_complete(prev):
         if is_complete(target):
-            shutil.rmtree(prev)  # the crash came after the new one was published
+            remove(prev)  # the crash came after the new one was published
         else:
             if os.path.isdir(target) and not os.listdir(target):
                 os.rmdir(target)
@@ -85,7 +99,7 @@ def publish(target: str) -> None:
     partial, prev = partial_path(target), previous_path(target)
     parent = os.path.dirname(target) or "."
     if os.path.lexists(prev):
-        shutil.rmtree(prev)  # incomplete leftovers (prepare keeps complete ones out of the way)
+        remove(prev)  # incomplete leftovers (prepare keeps complete ones out of the way)
     if os.path.lexists(target):
         os.rename(target, prev)
         crash_point("moved_aside")
@@ -93,7 +107,7 @@ def publish(target: str) -> None:
     fsync_dir(parent)
     crash_point("published")
     if os.path.lexists(prev):
-        shutil.rmtree(prev)
+        remove(prev)
 
 
 def discard(target: str) -> None:
