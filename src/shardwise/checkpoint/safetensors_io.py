@@ -36,7 +36,7 @@ _ST_DTYPE = {
 }
 _BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_DTYPE}
 
-_HASH_CHUNK = 8 << 20
+_HASH_CHUNK = 1 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -160,13 +160,15 @@ class StreamWriter:
 
 
 def sha256_file(path: str) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read in 8 MiB chunks."""
+    """(size, sha256 hex) of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    buf = bytearray(_HASH_CHUNK)  # one reused buffer: hashing costs no memory per file size
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
     return size, h.hexdigest()
 
 
