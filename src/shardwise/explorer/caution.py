@@ -4,7 +4,7 @@ The toy run moves a few kilobytes per step, which says nothing about real hardwa
 page scales the chosen configuration (strategy, world size, mixed precision) up to a real
 model and real links: bytes each rank sends per step, and how long that takes on common
 interconnects, beside the compute time of the same step. The numbers come from the
-project's planner (`sw.plan`) when it is available; until then from the communication
+project's planner (shardwise.planner) when it is importable; otherwise from the ring
 volume formulas below, and the page says which one it shows.
 """
 
@@ -15,11 +15,25 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# The reference job the toy configuration is scaled to (stated on the page).
-REF_PARAMS = 7_000_000_000
-REF_TOKENS_PER_RANK = 4096  # tokens per rank per step
-REF_GPU_FLOPS = 989e12  # H100 SXM dense bf16 peak, FLOP/s
-REF_MFU = 0.4  # fraction of peak a well-tuned step reaches
+# The reference job the toy configuration is scaled to (stated on the page): a GPT of
+# Llama-7B-like shape, one 4096-token sequence per rank per step, on H100s.
+REF_SHAPE = {"n_layers": 32, "d_model": 4096, "n_heads": 32, "vocab_size": 32000}
+REF_PARAMS = 6_573_789_184  # that shape's parameter count (tied embedding)
+REF_MODEL = "GPT, 32 layers x 4096 wide (6.6B parameters)"
+REF_BATCH, REF_SEQ = 1, 4096
+REF_DEVICE_NAME = "H100 80GB"
+PLANNER_DEVICE = "h100-80gb"
+# (label, planner interconnect profile, ranks per node: "all" = one node, else across).
+PLANNER_LINKS = (
+    ("NVLink 4, all ranks in one node", None, "all"),
+    ("InfiniBand 400 Gb/s between nodes", "ib-400g", "across"),
+    ("InfiniBand 200 Gb/s between nodes", "ib-200g", "across"),
+    ("100 Gb Ethernet between nodes", "eth-100g", "across"),
+)
+# Fallback formula only (no planner): H100 dense peaks (bf16/fp16 tensor cores, fp32) and
+# the fraction of peak a well-tuned step reaches.
+REF_GPU_FLOPS = {"none": 67e12, "bf16": 989e12, "fp16": 989e12}
+REF_MFU = 0.4
 # One direction, per GPU, in bytes/s: the figures vendors quote, rounded.
 LINKS = (
     ("NVLink 4 (inside a node)", 450e9),
@@ -53,40 +67,70 @@ def comm_bytes_per_rank(params: int, strategy: str, world: int, local_world: int
 
 
 def _from_planner(cfg: dict) -> dict[str, Any] | None:
-    """The planner's numbers for the reference job, or None while there is no planner."""
+    """The planner's numbers for the reference job on each link, or None without a planner.
+
+    "Inside one node": every rank on one NVLink-connected machine. "Between nodes": one
+    rank per node (HYBRID_SHARD: one shard group per node), so every collective (or, for
+    HYBRID_SHARD, the cross-node all-reduce) crosses the named link.
+    """
     try:
-        import shardwise as sw
-
-        plan = getattr(sw, "plan", None)
-        if plan is None:
-            return None
-        result = plan(REF_PARAMS, world_size=cfg["world_size"],
-                      sharding_strategy=cfg["strategy"],
-                      mixed_precision=None if cfg["mixed_precision"] == "none"
-                      else cfg["mixed_precision"])
-    except Exception:  # noqa: BLE001 - the page falls back to its own formulas
-        log.debug("planner unavailable for %s", cfg, exc_info=True)
+        from ..planner import plan
+    except ImportError:
         return None
-    as_dict = result.to_dict() if hasattr(result, "to_dict") else dict(vars(result))
-    return {k: v for k, v in as_dict.items() if isinstance(v, (int, float, str, bool))}
+    world, local = cfg["world_size"], cfg["local_world_size"]
+    across = local if cfg["strategy"] == "HYBRID_SHARD" else 1
+    rows, first = [], None
+    try:
+        for name, link, per_node in PLANNER_LINKS:
+            p = plan(REF_PARAMS, world_size=world, sharding_strategy=cfg["strategy"],
+                     auto_wrap_policy="transformer" if cfg["wrap"] == "layer" else None,
+                     mixed_precision=None if cfg["mixed_precision"] == "none"
+                     else cfg["mixed_precision"],
+                     batch_size=REF_BATCH, seq_len=REF_SEQ, device=PLANNER_DEVICE,
+                     interconnect=link, ranks_per_node=world if per_node == "all" else across,
+                     shape=REF_SHAPE)
+            t = p.time
+            if t is None:
+                return None
+            first = first or p
+            rows.append({"name": name, "seconds": t.comm_s, "compute_s": t.compute_s,
+                         "step_s": t.step_s, "bound": t.bound,
+                         "hidden": t.bound == "compute", "bytes": p.comm.sent_bytes})
+    except Exception:  # noqa: BLE001 - a planner still in flux must not break the page
+        log.debug("planner failed for %s", cfg, exc_info=True)
+        return None
+    assert first is not None and first.time is not None
+    return {
+        "source": "planner",
+        "compute_s": first.time.compute_s,
+        "total_bytes_per_rank": first.comm.sent_bytes,
+        "bytes_per_rank": {"all_gather": first.comm.all_gather_bytes,
+                           "reduce_scatter": first.comm.reduce_scatter_bytes,
+                           "all_reduce": first.comm.all_reduce_bytes},
+        "memory_per_rank": first.per_rank.total_bytes,
+        "fits": first.fits,
+        "links": rows,
+        "notes": list(first.notes),
+    }
 
 
-def caution(cfg: dict) -> dict[str, Any]:
-    """Everything the caution panel shows, as JSON."""
+def _from_formula(cfg: dict) -> dict[str, Any]:
     world, local = cfg["world_size"], cfg["local_world_size"]
     per = comm_bytes_per_rank(REF_PARAMS, cfg["strategy"], world, local, cfg["mixed_precision"])
     total = sum(per.values())
-    compute_s = 6 * REF_PARAMS * REF_TOKENS_PER_RANK / (REF_GPU_FLOPS * REF_MFU)
-    links = [{"name": name, "bytes_per_s": bw, "seconds": total / bw,
-              "hidden": total / bw <= compute_s} for name, bw in LINKS]
-    planner = _from_planner(cfg)
-    return {
-        "source": "planner" if planner else "formula",
-        "planner": planner,
-        "ref_params": REF_PARAMS,
-        "ref_tokens_per_rank": REF_TOKENS_PER_RANK,
-        "compute_s": compute_s,
-        "bytes_per_rank": per,
-        "total_bytes_per_rank": total,
-        "links": links,
-    }
+    flops = REF_GPU_FLOPS[cfg["mixed_precision"]] * REF_MFU
+    compute_s = 6 * REF_PARAMS * REF_BATCH * REF_SEQ / flops
+    links = [{"name": name, "seconds": total / bw, "compute_s": compute_s,
+              "step_s": max(compute_s, total / bw), "bound": "compute"
+              if total / bw <= compute_s else "interconnect", "hidden": total / bw <= compute_s,
+              "bytes": total} for name, bw in LINKS]
+    return {"source": "formula", "compute_s": compute_s, "total_bytes_per_rank": total,
+            "bytes_per_rank": per, "memory_per_rank": None, "fits": None, "links": links,
+            "notes": []}
+
+
+def caution(cfg: dict) -> dict[str, Any]:
+    """Everything the caution panel shows, as JSON (planner numbers when there is one)."""
+    out = _from_planner(cfg) or _from_formula(cfg)
+    return {**out, "ref_params": REF_PARAMS, "ref_model": REF_MODEL,
+            "ref_tokens_per_rank": REF_BATCH * REF_SEQ, "ref_device": REF_DEVICE_NAME}

@@ -64,7 +64,8 @@ function renderSimulation(state) {
   lineChart($("acc-chart"), [
     { points: hist.map((h) => [h.step, h.accuracy]), colour: "#2b7bd6", label: "accuracy" },
   ], { xMax: state.steps, yMin: 0, yMax: 1, xLabel: "step",
-    yFmt: (v) => `${Math.round(100 * v)}%`, hlines: [{ y: 0.25, label: "chance" }] });
+    yFmt: (v) => `${Math.round(100 * v)}%`, hlines: [{ y: 0.25, label: "chance" }],
+    legendBottom: true });
 }
 
 function apply(state) {

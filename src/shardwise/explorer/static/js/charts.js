@@ -77,11 +77,14 @@ export function lineChart(canvas, series, opts = {}) {
     }
     ctx.restore();
   }
-  // Legend, top right.
+  // Legend, top right (or bottom right, where a rising curve leaves room).
   ctx.textAlign = "right";
-  series.filter((s) => s.label).forEach((s, i) => {
+  const labelled = series.filter((s) => s.label);
+  labelled.forEach((s, i) => {
     ctx.fillStyle = s.colour;
-    ctx.fillText(s.label, w - pad.r - 2, pad.t + 12 + 13 * i);
+    const y = opts.legendBottom ? h - pad.b - 8 - 13 * (labelled.length - 1 - i)
+      : pad.t + 12 + 13 * i;
+    ctx.fillText(s.label, w - pad.r - 2, y);
   });
 }
 
@@ -91,18 +94,25 @@ export function regionsPlot(canvas, state) {
   const { n, extent } = state.grid;
   const ev = state.eval;
   if (ev && ev.regions && ev.regions.length === n * n) {
-    const cw = w / n;
-    const ch = h / n;
-    for (let i = 0; i < n; i += 1) {
-      for (let j = 0; j < n; j += 1) {
-        const k = i * n + j;
-        const conf = ev.confidence[k];
-        ctx.globalAlpha = 0.08 + 0.5 * Math.max(0, (conf - 0.25) / 0.75);
-        ctx.fillStyle = CLASS_COLOURS[Number(ev.regions[k])];
-        ctx.fillRect(j * cw, i * ch, cw + 0.5, ch + 0.5);
+    // One pixel per lattice point, scaled up smoothly: no seams between cells.
+    const small = document.createElement("canvas");
+    small.width = n;
+    small.height = n;
+    const sctx = small.getContext("2d");
+    const img = sctx.createImageData(n, n);
+    for (let k = 0; k < n * n; k += 1) {
+      const hex = CLASS_COLOURS[Number(ev.regions[k])];
+      const alpha = 0.08 + 0.5 * Math.max(0, (ev.confidence[k] - 0.25) / 0.75);
+      // Blend with white here, so the scaled image stays opaque and even.
+      for (let c = 0; c < 3; c += 1) {
+        const v = parseInt(hex.slice(1 + 2 * c, 3 + 2 * c), 16);
+        img.data[4 * k + c] = Math.round(255 * (1 - alpha) + v * alpha);
       }
+      img.data[4 * k + 3] = 255;
     }
-    ctx.globalAlpha = 1;
+    sctx.putImageData(img, 0, 0);
+    ctx.imageSmoothingEnabled = true;
+    ctx.drawImage(small, 0, 0, w, h);
   }
   const X = (u) => ((u + extent) / (2 * extent)) * w;
   const Y = (v) => ((extent - v) / (2 * extent)) * h;

@@ -4,13 +4,13 @@
 import { PHASE_NAMES, el, fmtBytes, fmtSeconds, unitLabel } from "./util.js";
 
 const STRATEGY_TEXT = {
-  FULL_SHARD: "parameters, gradients and optimizer state are all sharded; a unit's full " +
+  FULL_SHARD: "Parameters, gradients and optimizer state are all sharded; a unit's full " +
     "parameters are gathered for its forward, freed, and gathered again for its backward (ZeRO-3).",
-  SHARD_GRAD_OP: "gradients and optimizer state are sharded; gathered parameters are kept " +
+  SHARD_GRAD_OP: "Gradients and optimizer state are sharded; gathered parameters are kept " +
     "from forward to backward, saving one all-gather per unit at the cost of memory.",
-  NO_SHARD: "nothing is sharded: every rank holds everything and gradients are all-reduced " +
+  NO_SHARD: "Nothing is sharded: every rank holds everything and gradients are all-reduced " +
     "(this is DDP, shown for comparison).",
-  HYBRID_SHARD: "sharded inside a node, replicated across nodes: gathers stay on the fast " +
+  HYBRID_SHARD: "Sharded inside a node, replicated across nodes: gathers stay on the fast " +
     "intra-node links; gradients are reduce-scattered in the node, then all-reduced across.",
 };
 
@@ -93,33 +93,39 @@ function strength(state) {
 
 function caution(state) {
   const c = state.caution;
+  const cfg = state.config;
   const measured = (state.ranks || []).map((r) => (r.events || [])
-    .filter((e) => e.collective).reduce((s, e) => s + e.bytes, 0));
+    .filter((e) => e.collective).reduce((sum, e) => sum + e.bytes, 0));
   const source = c.source === "planner"
-    ? "Numbers from the project's planner (sw.plan)."
-    : "The planner (sw.plan) is not available in this build: numbers from the explorer's " +
-      "ring-collective formulas.";
+    ? "Numbers from the project's planner (shardwise.planner) for this configuration."
+    : "The planner is not available in this build: numbers from the explorer's ring-" +
+      "collective formulas (communication not overlapped, compute at 40% of peak).";
+  const precision = cfg.mixed_precision === "none" ? "fp32" : cfg.mixed_precision;
+  const memory = c.memory_per_rank === null ? ""
+    : ` The planner puts each rank's peak memory at ${fmtBytes(c.memory_per_rank)}, which ` +
+      `${c.fits ? "fits" : "does not fit"} on an ${c.ref_device}.`;
   return card("Caution: interconnect bandwidth", "how-caution",
     el("p", { text: "Sharding trades memory for communication: every step moves each unit's " +
       "parameters (gathers) and gradients (reduce-scatters) between ranks. On slow links the " +
       "step waits for the network, which is why FSDP at scale needs fast interconnects " +
       "(NVLink inside a node, InfiniBand between nodes)." }),
-    el("p", {}, `This toy run, last step, bytes each rank's collectives moved: `,
+    el("p", {}, "This toy run, last step, bytes each rank's collectives moved: ",
       el("b", { "data-testid": "measured-bytes",
         text: state.step ? measured.map(fmtBytes).join(" / ") : "–" }), "."),
-    el("p", { text: `The same configuration (${state.config.strategy}, ` +
-      `${state.config.world_size} rank(s), ${state.config.mixed_precision === "none" ? "fp32"
-        : state.config.mixed_precision}) for a ${c.ref_params / 1e9}B-parameter model sends ` +
-      `${fmtBytes(c.total_bytes_per_rank)} per rank per step; the compute of that step ` +
-      `(${c.ref_tokens_per_rank} tokens per rank on an H100 at 40% of peak) takes about ` +
-      `${fmtSeconds(c.compute_s)}:` }),
+    el("p", { text: `The same configuration (${cfg.strategy}, ${cfg.world_size} rank(s), ` +
+      `${precision}, ${cfg.wrap === "layer" ? "one unit per block" : "one unit"}) for a ` +
+      `${c.ref_model}, ${c.ref_tokens_per_rank} tokens per rank per step on ${c.ref_device}s, ` +
+      `sends ${fmtBytes(c.total_bytes_per_rank)} per rank per step; its compute takes ` +
+      `${fmtSeconds(c.compute_s)}.${memory}` }),
     el("table", { class: "grid-table", "data-testid": "caution-table" },
-      el("tr", {}, el("th", { text: "link" }), el("th", { text: "time to communicate" }),
-        el("th", { text: "hidden behind compute?" })),
+      el("tr", {}, el("th", { text: "link" }), el("th", { text: "communication" }),
+        el("th", { text: "step" }), el("th", { text: "bound by" })),
       c.links.map((l) => el("tr", {}, el("td", { text: l.name }),
         el("td", { class: "num", text: fmtSeconds(l.seconds) }),
-        el("td", { text: l.hidden ? "yes, if overlapped" : "no: the step waits" })))),
-    el("p", { class: "muted", text: source }));
+        el("td", { class: "num", text: fmtSeconds(l.step_s) }),
+        el("td", { text: l.bound === "compute" ? "compute (communication hidden)"
+          : "the interconnect: the GPUs wait" })))),
+    el("p", { class: "muted", text: [source, ...(c.notes || [])].join(" ") }));
 }
 
 function knobs(state, offload) {
@@ -155,13 +161,15 @@ function example(state) {
     "import torch, shardwise as sw",
     "from torch import nn",
     "",
-    "rank, world, device = sw.init_distributed()      # torchrun's env; gloo on CPU",
-    "model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))  # 676 params",
+    "rank, world, device = sw.init_distributed()  # torchrun's env",
+    "model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(),",
+    "                      nn.Linear(32, 4))     # 676 parameters",
     `sw.shard_model(model, sharding_strategy="${cfg.strategy}",`,
     `               auto_wrap_policy=${wrap},`,
     `               mixed_precision=${mp}, cpu_offload=${cfg.cpu_offload ? "True" : "False"})`,
-    "opt = torch.optim.AdamW(model.parameters(), lr=0.02)  # sees only this rank's rows",
-    "loss = nn.functional.cross_entropy(model(x), y)      # x, y: this rank's batch",
+    "# The optimizer sees only this rank's rows:",
+    "opt = torch.optim.AdamW(model.parameters(), lr=0.02)",
+    "loss = nn.functional.cross_entropy(model(x), y)  # this rank's batch",
     "loss.backward(); opt.step(); opt.zero_grad()",
   ].join("\n");
   return card("Minimal example", "how-example",
@@ -173,5 +181,5 @@ function example(state) {
 
 export function renderHow(container, state) {
   container.replaceChildren(learned(state), sequence(state), strength(state), caution(state),
-    knobs(state, state.offload), example(state));
+    example(state), knobs(state, state.offload));
 }
