@@ -1,0 +1,19 @@
+"""The planner: memory and time of a sharded training step, before anything is allocated."""
+
+from __future__ import annotations
+
+from .plan import PerRank, Plan, TimeEstimate, plan
+from .profiles import DEVICES, INTERCONNECTS, DeviceProfile, InterconnectProfile
+from .shape import TransformerShape
+
+__all__ = [
+    "DEVICES",
+    "INTERCONNECTS",
+    "DeviceProfile",
+    "InterconnectProfile",
+    "PerRank",
+    "Plan",
+    "TimeEstimate",
+    "TransformerShape",
+    "plan",
+]

@@ -1,0 +1,168 @@
+"""What one rank holds: model states term by term, per unit, from the engine's layout.
+
+[Note: layout] (engine/sharded_param.py) decides every byte here: a parameter of D0 rows is
+padded to S * C rows, C = ceil(D0 / S); each rank *allocates* a (C, ...) buffer and owns the
+valid rows [r*C, min((r+1)*C, D0)) of it. Rank 0 always owns a full C rows, so it holds the
+most: plans are for rank 0 (`rank=` plans another). The optimizer sees only the valid rows,
+so its state is sized by them.
+
+ZeRO's accounting (Rajbhandari et al. 2020) for mixed-precision Adam is 16 bytes per
+parameter: 2 (fp16 params) + 2 (fp16 grads) + 12 (fp32 master, momentum, variance). Here the
+sharded parameter *is* the fp32 master (4) and gradients are reduced into fp32 (4), with two
+fp32 Adam moments (8): the same 16, divided by the shard-group size. The 16-bit copy exists
+only while a unit is unsharded, which is why it appears under `unsharded`, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.policies import MixedPrecisionPolicy
+from .units import PlanUnit
+
+# Optimizer -> fp32 state tensors per parameter, and whether it keeps a step counter.
+OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "adamw": (2, True),  # exp_avg and exp_avg_sq, plus a 0-d fp32 `step` per parameter
+    "adam": (2, True),
+    "sgd-momentum": (1, False),  # momentum_buffer
+    "sgd": (0, False),
+    "none": (0, False),
+}
+STEP_COUNTER_BYTES = 4  # torch keeps Adam's `step` as a 0-d float32 tensor per parameter
+
+
+def parse_optimizer(value: str) -> str:
+    key = str(value).strip().lower().replace("_", "-")
+    if key not in OPTIMIZERS:
+        raise ValueError(f"optimizer={value!r} is not one of: {', '.join(OPTIMIZERS)}")
+    return key
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit on one rank, in bytes unless named numel.
+
+    shard_bytes: this rank's padded shard buffers, original dtype.
+    grad_bytes: this rank's sharded gradients after the reduction (views into the
+      reduce-scatter output when its dtype is the parameters' own).
+    state_bytes: valid local bytes of grad-requiring parameters (one optimizer slot: torch
+      creates state like the parameter, so in the master dtype).
+    state_params: grad-requiring parameters (one optimizer step counter each).
+    largest_state_bytes: the largest such local parameter (per-parameter temporaries).
+    gather: (compute dtype, one rank's all-gather chunk numel) per communication group.
+    reduce: (reduce dtype, one rank's gradient chunk numel, device bytes left as gradients)
+      per group (0 under CPU offload: the gradients move to the host).
+    unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
+    full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
+    direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
+    """
+
+    name: str
+    numel: int
+    layers: int
+    head: bool
+    shard_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    state_params: int
+    largest_state_bytes: int
+    gather: tuple[tuple[torch.dtype, int], ...]
+    reduce: tuple[tuple[torch.dtype, int, int], ...]
+    unsharded_bytes: int
+    full_grad_bytes: int
+    direct: bool
+
+
+def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
+              mp: MixedPrecisionPolicy | None, host_offload: bool) -> UnitCost:
+    """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`."""
+    S, r = shard_size, shard_rank
+    shard = state = state_params = largest = unsharded = full_grads = 0
+    gather: dict[torch.dtype, int] = {}
+    grad_chunk: dict[torch.dtype, int] = {}
+    converted: dict[torch.dtype, int] = {}  # grads cast back to the master dtype (bytes)
+    viewed: dict[torch.dtype, bool] = {}  # some grads are views of the reduction output
+    direct_all = True
+    for p in unit.spec.params:
+        dims = p.shape if p.shape else (1,)  # a 0-d parameter is sharded as shape (1,)
+        dim0, row = dims[0], math.prod(dims[1:])
+        C = -(-dim0 // S)
+        local = (min((r + 1) * C, dim0) - min(r * C, dim0)) * row
+        orig = _size(p.dtype)
+        cdtype = mp.param_dtype if (mp and mp.param_dtype and p.dtype.is_floating_point) \
+            else p.dtype
+        csize = _size(cdtype)
+        direct = S == 1 and cdtype == p.dtype and not host_offload
+        direct_all &= direct
+        shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
+        gather[cdtype] = gather.get(cdtype, 0) + C * row
+        if not direct:
+            unsharded += S * C * row * csize  # (S*C, ...) storage while the unit is unsharded
+        if p.requires_grad:
+            state += local * orig
+            state_params += 1
+            largest = max(largest, local * orig)
+            full_grads += p.numel * csize
+            grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row
+            rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
+            if rdtype == p.dtype and not host_offload:
+                viewed[cdtype] = True
+            else:
+                converted[cdtype] = converted.get(cdtype, 0) + local * orig
+    reduce = []
+    grads = 0
+    for cdtype, n in grad_chunk.items():
+        rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
+        kept = (n * _size(rdtype) if viewed.get(cdtype) else 0) + converted.get(cdtype, 0)
+        reduce.append((rdtype, n, 0 if host_offload else kept))
+        grads += kept
+    return UnitCost(
+        name=unit.name, numel=unit.numel, layers=unit.layers, head=unit.head,
+        shard_bytes=shard, grad_bytes=grads, state_bytes=state, state_params=state_params,
+        largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
+        unsharded_bytes=unsharded, full_grad_bytes=full_grads,
+        direct=direct_all and bool(unit.spec.params),
+    )
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank model states, term by term (bytes)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    optimizer_temp_bytes: int
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_states(costs: list[UnitCost], optimizer: str, foreach: bool) -> ModelStates:
+    slots, counter = OPTIMIZERS[optimizer]
+    # Sharded parameters: fp32 masters, padded to C rows (rank 0's C rows are all valid).
+    params = sum(c.shard_bytes for c in costs)
+    # Sharded gradients after the step's reduction, kept until zero_grad().
+    grads = sum(c.grad_bytes for c in costs)
+    # Optimizer state: `slots` tensors shaped like each valid local shard (fp32 masters),
+    # plus Adam's per-parameter step counter.
+    state = sum(c.state_bytes for c in costs)
+    optim = slots * state + (STEP_COUNTER_BYTES * sum(c.state_params for c in costs)
+                             if counter else 0)
+    # Temporaries inside optimizer.step(): torch's Adam computes sqrt(v)/bias + eps out of
+    # place: the foreach path for all local parameters at once (one list of temporaries),
+    # the per-parameter path for one parameter at a time (measured on CPU, torch 2.13: up to
+    # three parameter-sized temporaries alive at once).
+    if slots == 2:
+        temp = state if foreach else 3 * max((c.largest_state_bytes for c in costs), default=0)
+    else:
+        temp = 0
+    return ModelStates(params, grads, optim, temp)

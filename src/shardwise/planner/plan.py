@@ -1,0 +1,358 @@
+"""`plan(...)`: will it fit, and how fast, before anything is allocated.
+
+Memory comes from the engine's own unit assignment and padding ([Note: layout]) replayed
+over two steps (planner/simulate.py); time from FLOPs, ring-collective bytes and a device
+and interconnect profile (planner/timing.py). Every number is per rank, for the rank that
+holds the most (rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.policies import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    WrapPolicyLike,
+)
+from . import timing as T
+from .memory import model_states, parse_optimizer, unit_cost
+from .profiles import (
+    DeviceProfile,
+    InterconnectProfile,
+    device_profile,
+    interconnect_profile,
+)
+from .shape import TransformerShape, coerce_shape, shape_of_model
+from .simulate import PhasePeaks, StepActivations, simulate
+from .units import ModelUnits, units_of_count, units_of_model
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """Bytes on one device. Each term is its own peak during the step; `total_bytes` is the
+    peak of their sum (they do not all peak together: activations are gone before the
+    optimizer's temporaries appear)."""
+
+    params_bytes: int  # sharded parameters (fp32 masters), padded
+    grads_bytes: int  # sharded gradients after the reduction
+    optimizer_bytes: int  # optimizer state of the sharded parameters
+    model_states_bytes: int  # the three above
+    unsharded_bytes: int  # gathered units in the compute dtype, prefetch included
+    comm_buffers_bytes: int  # pooled all-gather / reduce-scatter buffers, backend copies
+    activations_bytes: int | None  # saved for backward (None: shape or batch unknown)
+    buffers_bytes: int  # module buffers (replicated)
+    optimizer_temp_bytes: int  # optimizer.step() temporaries
+    peak_forward_bytes: int
+    peak_backward_bytes: int
+    peak_step_bytes: int
+    total_bytes: int  # the step's peak: what must fit
+    host_bytes: int  # model states moved to host memory by CPU offload
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One step on one rank."""
+
+    tokens_per_rank: int
+    model_flops: float  # 6 x params x tokens + attention (per rank)
+    hardware_flops: float  # plus activation recomputation
+    compute_s: float  # matmuls at the device's achievable rate + elementwise traffic
+    comm_s: float  # every collective back to back
+    optimizer_s: float
+    step_s_overlap: float  # communication on its own stream, engine order
+    step_s_serial: float  # nothing overlaps
+    step_s: float  # the prediction: overlap where the device overlaps
+    mfu: float  # model FLOPs / (step_s x peak FLOP/s)
+    tokens_per_s: float  # the whole job
+    bound: str  # "compute" | "interconnect"
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: int
+    world_size: int
+    sharding_strategy: str
+    shard_size: int
+    replicate_size: int
+    ranks_per_node: int
+    mixed_precision: str
+    optimizer: str
+    cpu_offload: bool
+    batch_size: int | None
+    seq_len: int | None
+    activation_checkpointing: bool
+    device: str | None
+    interconnect: str | None
+    units: int
+    shape: dict[str, int] | None
+    per_rank: PerRank
+    comm: T.CommVolume
+    time: TimeEstimate | None
+    usable_bytes: int | None
+    fits: bool | None
+    max_batch_size: int | None
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: plain ints, floats, strings, lists and dicts."""
+        d = dataclasses.asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def _mp_name(mp: MixedPrecisionPolicy | None) -> str:
+    if mp is None or mp.param_dtype is None:
+        return "fp32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        mp.param_dtype, str(mp.param_dtype))
+
+
+def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
+    """(shard size, replicate size), as engine/fully_shard.py's `_strategy_mesh` builds them."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1, world
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if world % per_node:
+            raise ValueError(f"HYBRID_SHARD: ranks_per_node={per_node} does not divide "
+                             f"world_size={world}")
+        return per_node, world // per_node
+    return world, 1
+
+
+def _activations(shape: TransformerShape | None, tokens: int | None, act_bytes: int,
+                 checkpointing: bool) -> StepActivations | None:
+    if shape is None or tokens is None:
+        return None
+    full = shape.block_activation_bytes(act_bytes) * tokens
+    grads = shape.block_backward_transient_bytes(act_bytes) * tokens
+    if checkpointing:
+        # Only each block's input survives forward; backward recomputes one block at a time.
+        layer, layer_backward = shape.d_model * act_bytes * tokens, full + grads
+    else:
+        layer, layer_backward = full, grads
+    return StepActivations(layer, layer_backward, shape.root_activation_bytes(act_bytes) * tokens,
+                           shape.root_transient_bytes(act_bytes) * tokens)
+
+
+def plan(
+    model_or_param_count: nn.Module | int | float,
+    *,
+    world_size: int,
+    sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+    auto_wrap_policy: WrapPolicyLike = "transformer",
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    optimizer: str = "adamw",
+    cpu_offload: bool | CPUOffloadPolicy = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+    device: str | DeviceProfile | None = None,
+    interconnect: str | InterconnectProfile | None = None,
+    shape: TransformerShape | dict | None = None,
+    ranks_per_node: int | None = None,
+    rank: int = 0,
+) -> Plan:
+    """Plan one training step of `model_or_param_count` on `world_size` ranks.
+
+    model_or_param_count: a model (build it on the meta device: nothing is allocated) or a
+      parameter count (planned as a GPT of `shape`, or of a guessed shape).
+    batch_size: sequences per rank per step; with seq_len, enables activations and time.
+    device / interconnect: profiles (names in planner.profiles, or calibrated ones); the
+      device enables `fits`, the largest batch and time. `interconnect` links the nodes;
+      ranks inside a node use the device's own link (NVLink).
+    shape: the transformer's dimensions when the model does not carry them.
+    ranks_per_node: defaults to the device's (8) or, without a device, the whole world.
+    rank: the rank to plan (0 holds the most).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    mp = MixedPrecisionPolicy.parse(mixed_precision)
+    offload = CPUOffloadPolicy.parse(cpu_offload) is not None
+    opt = parse_optimizer(optimizer)
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive int or None")
+    dev = device_profile(device) if device is not None else None
+    shape = coerce_shape(shape)
+
+    if isinstance(model_or_param_count, nn.Module):
+        mu = units_of_model(model_or_param_count, auto_wrap_policy,
+                            shape or shape_of_model(model_or_param_count))
+    elif isinstance(model_or_param_count, (int, float)) and not isinstance(
+            model_or_param_count, bool) and model_or_param_count >= 1:
+        mu = units_of_count(int(round(model_or_param_count)), shape, auto_wrap_policy)
+    else:
+        raise ValueError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module "
+                         "(ideally on the meta device) or a positive parameter count")
+
+    per_node = ranks_per_node or (min(dev.ranks_per_node, world_size) if dev else world_size)
+    if not isinstance(per_node, int) or per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    S, R = _layout(strategy, world_size, per_node)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
+    host_offload = offload and not (dev is not None and dev.is_cpu)
+    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    costs = [unit_cost(u, S, rank % S, mp, host_offload) for u in mu.units]
+    foreach = dev.optimizer_foreach if dev is not None else True
+    states = model_states(costs, opt, foreach)
+    act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32
+    act_bytes = torch.empty((), dtype=act_dtype, device="meta").element_size()
+    notes = list(mu.notes)
+    if host_offload:
+        notes.append("CPU offload: parameters, gradients and optimizer state live in host "
+                     "memory (host_bytes); the device holds gathered units and activations")
+
+    def peaks_for(batch: int | None) -> tuple[PhasePeaks, StepActivations | None]:
+        tokens = batch * seq_len if (batch and seq_len) else None
+        acts = _activations(mu.shape, tokens, act_bytes, activation_checkpointing)
+        on_device = 0 if host_offload else 1
+        peaks = simulate(
+            costs, shard_size=S, reshard_after_forward=reshard,
+            acts=acts or StepActivations(),
+            static_bytes=states.params_bytes * on_device + mu.buffers_bytes,
+            optimizer_bytes=states.optimizer_bytes * on_device,
+            optimizer_temp_bytes=states.optimizer_temp_bytes * on_device,
+            scratch=dev is not None and dev.collective_scratch)
+        return peaks, acts
+
+    peaks, acts = peaks_for(batch_size)
+    if acts is None and batch_size and seq_len:
+        notes.append("activations unknown: the model carries no transformer shape; pass shape=")
+    total = max(peaks.forward, peaks.backward, peaks.step)
+    per_rank = PerRank(
+        params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
+        optimizer_bytes=states.optimizer_bytes, model_states_bytes=states.model_states_bytes,
+        unsharded_bytes=peaks.unsharded, comm_buffers_bytes=peaks.comm_buffers,
+        activations_bytes=peaks.activations if acts is not None else None,
+        buffers_bytes=mu.buffers_bytes, optimizer_temp_bytes=states.optimizer_temp_bytes,
+        peak_forward_bytes=peaks.forward, peak_backward_bytes=peaks.backward,
+        peak_step_bytes=peaks.step, total_bytes=total,
+        host_bytes=states.model_states_bytes if host_offload else 0,
+    )
+
+    usable = fits = max_batch = None
+    if dev is not None:
+        usable = dev.usable_bytes
+        fits = total <= usable
+        if seq_len and mu.shape is not None:
+            max_batch = _largest_batch(lambda b: max(_p(peaks_for(b)[0])) <= usable)
+
+    colls = T.collectives(costs, shard_size=S, replicate_size=R, reshard_after_forward=reshard,
+                          ranks_per_node=per_node)
+    link_names = None
+    time = None
+    links = _links(dev, interconnect, world_size, per_node, notes) if dev is not None else None
+    if links is not None and batch_size and seq_len:
+        link_names = f"{links.intra.name}" + (
+            f" + {links.inter.name}" if world_size > per_node else "")
+        time = _time(costs, colls, links, dev, mu, acts, act_dtype, opt, states, batch_size,
+                     seq_len, activation_checkpointing, S, R, world_size)
+    elif interconnect is not None:
+        link_names = interconnect if isinstance(interconnect, str) else interconnect.name
+
+    return Plan(
+        params=mu.numel, world_size=world_size, sharding_strategy=strategy.value,
+        shard_size=S, replicate_size=R, ranks_per_node=per_node, mixed_precision=_mp_name(mp),
+        optimizer=opt, cpu_offload=offload, batch_size=batch_size, seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        device=dev.name if dev else None, interconnect=link_names, units=len(mu.units),
+        shape=mu.shape.to_dict() if mu.shape else None, per_rank=per_rank,
+        comm=T.comm_volume(colls), time=time, usable_bytes=usable, fits=fits,
+        max_batch_size=max_batch, notes=tuple(notes),
+    )
+
+
+def _p(peaks: PhasePeaks) -> tuple[int, int, int]:
+    return peaks.forward, peaks.backward, peaks.step
+
+
+def _largest_batch(fits: Any, limit: int = 1 << 20) -> int:
+    """Largest b in [0, limit] with fits(b) (fits is monotone in b)."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _links(dev: DeviceProfile, interconnect: str | InterconnectProfile | None, world: int,
+           per_node: int, notes: list[str]) -> T.Links | None:
+    try:
+        intra = interconnect_profile(dev.intra_node, dev)
+    except ValueError:
+        if interconnect is None:  # a CPU: its gloo bandwidth must be measured
+            notes.append(f"no time estimate: {dev.name!r} needs a measured interconnect "
+                         "(planner.calibrate, `shardwise plan --calibrate`)")
+            return None
+        intra = interconnect_profile(interconnect, dev)
+    if interconnect is None:
+        inter = interconnect_profile("ib-400g")
+        if world > per_node:
+            notes.append("no interconnect given: nodes assumed linked by ib-400g")
+    else:
+        inter = interconnect_profile(interconnect, dev)
+    return T.Links(intra, inter, per_node)
+
+
+def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DeviceProfile,
+          mu: ModelUnits, acts: StepActivations | None, act_dtype: torch.dtype, opt: str,
+          states: Any, batch: int, seq_len: int, checkpointing: bool, S: int, R: int,
+          world: int) -> TimeEstimate:
+    tokens = batch * seq_len
+    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(act_dtype, "fp32")
+    if dname not in dev.peak_flops:
+        raise ValueError(f"device {dev.name!r} has no {dname} FLOP/s figure "
+                         f"(it has {sorted(dev.peak_flops)})")
+    flops_per_s = dev.flops(dname)
+    a = acts or StepActivations()
+    act_per_unit = [a.layer * c.layers + (a.head if c.head else 0) for c in costs]
+    work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, flops_per_s,
+                                              dev.memory_bandwidth, act_per_unit,
+                                              checkpointing)
+    state_bytes = sum(c.state_bytes for c in costs)
+    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev)
+    compute_s = sum(work.forward_s) + sum(work.backward_s)
+    comm_s = sum(links.seconds(c) for c in colls)
+    overlap = T.overlapped_step(work, colls, links, optimizer_s, sync_all_reduce=S > 1 and R > 1)
+    serial = T.serial_step(work, colls, links, optimizer_s)
+    step = overlap if dev.overlap else serial
+    mfu = model_flops / (step * dev.peak_flops[dname])
+    exposed = step - compute_s - optimizer_s
+    slow = links.inter if any(c.inter_node for c in colls) else links.intra
+    # The interconnect bounds the step when it would set the pace even with perfect overlap,
+    # or when a fifth of the step is spent waiting on it.
+    bound = "interconnect" if (comm_s >= compute_s or exposed > 0.2 * step) else "compute"
+    if bound == "interconnect":
+        need = sum(c.sent_bytes for c in colls) / compute_s / 1e9
+        verdict = (f"interconnect-bound: {slow.name} moves {_gb(colls)} GB per rank "
+                   f"per step in {comm_s:.3g} s while compute takes {compute_s:.3g} s; "
+                   f"{exposed:.3g} s of each {step:.3g} s step ({100 * exposed / step:.0f}%) "
+                   f"waits on the network. Hiding it needs about {need:.3g} GB/s per rank, "
+                   "or more tokens per step.")
+    else:
+        verdict = (f"compute-bound: communication ({comm_s:.3g} s per step) "
+                   + ("hides under" if dev.overlap else "adds to")
+                   + f" compute ({compute_s:.3g} s).")
+    return TimeEstimate(
+        tokens_per_rank=tokens, model_flops=model_flops, hardware_flops=hw_flops,
+        compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, step_s_overlap=overlap,
+        step_s_serial=serial, step_s=step, mfu=mfu, tokens_per_s=tokens * world / step,
+        bound=bound, verdict=verdict)
+
+
+def _gb(colls: list[T.Collective]) -> str:
+    return f"{sum(c.sent_bytes for c in colls) / 1e9:.3g}"

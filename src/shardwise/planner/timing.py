@@ -1,0 +1,234 @@
+"""How long one step takes: FLOPs, bytes on the wire, and how much of the wire hides.
+
+Communication is priced as ring collectives (what NCCL and gloo run at these sizes): over a
+group of g ranks an all-gather or reduce-scatter of a B-byte buffer sends and receives
+(g-1)/g * B per rank in g-1 steps; an all-reduce twice that in 2(g-1) steps. Each step costs
+the link's latency, each byte its bandwidth; a group that spans nodes runs at the slower
+(inter-node) link.
+
+The overlapped step is a two-stream schedule of the engine's order ([Note: prefetch]): the
+compute stream runs units one after another; the communication stream runs gathers and
+reductions in issue order; a unit computes once its all-gather is done; at most two
+reductions are pending (a third waits for the oldest, as `add_pending_reduce` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import UnitCost, _size
+from .profiles import DeviceProfile, InterconnectProfile
+from .shape import TransformerShape
+
+# Full-array passes of torch's (non-fused) AdamW per step: mul_ (decay), lerp_ (m), mul_ and
+# addcmul_ (v), sqrt, div, add_ (denominator), addcdiv_ (update): ~20 reads+writes of a
+# parameter-sized fp32 array. SGD with momentum: ~4; plain SGD: ~3.
+OPTIMIZER_PASSES = {"adamw": 20, "adam": 18, "sgd-momentum": 4, "sgd": 3, "none": 0}
+# Non-matmul work (norms, GELU, residual adds, casts) streams each saved activation about
+# three times: written in forward, read in backward, its gradient written and read once.
+ELEMENTWISE_PASSES = 3
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    unit: int  # index in forward order
+    phase: str  # "forward" | "backward"
+    buffer_bytes: int  # the whole buffer (padded, all ranks' chunks for gather/scatter)
+    group: int  # ranks in the group
+    inter_node: bool  # the group spans nodes
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends (and receives) in a ring."""
+        factor = 2 if self.kind == "all_reduce" else 1
+        return factor * (self.group - 1) * self.buffer_bytes // self.group
+
+    @property
+    def steps(self) -> int:
+        return (2 if self.kind == "all_reduce" else 1) * (self.group - 1)
+
+
+def collectives(costs: list[UnitCost], *, shard_size: int, replicate_size: int,
+                reshard_after_forward: bool, ranks_per_node: int) -> list[Collective]:
+    """Every collective one rank takes part in during one step, in issue order per phase."""
+    S, R = shard_size, replicate_size
+    shard_inter = S > ranks_per_node
+    # HYBRID's replicas sit on different nodes; NO_SHARD's replicas are the whole world.
+    rep_inter = R > 1 and (S * R > ranks_per_node)
+    out: list[Collective] = []
+    if S > 1:
+        for i, c in enumerate(costs):
+            for dtype, chunk in c.gather:
+                out.append(Collective("all_gather", i, "forward", S * chunk * _size(dtype), S,
+                                      shard_inter))
+    for i in range(len(costs) - 1, -1, -1):
+        c = costs[i]
+        if S > 1 and reshard_after_forward and i != 0:  # the root stays unsharded
+            for dtype, chunk in c.gather:
+                out.append(Collective("all_gather", i, "backward", S * chunk * _size(dtype),
+                                      S, shard_inter))
+        for rdtype, n, _ in c.reduce:
+            if S > 1:
+                out.append(Collective("reduce_scatter", i, "backward", S * n * _size(rdtype),
+                                      S, shard_inter))
+            if R > 1:
+                out.append(Collective("all_reduce", i, "backward", n * _size(rdtype), R,
+                                      rep_inter))
+    return out
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Bytes one rank sends and receives per step (ring collectives: the two are equal)."""
+
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    all_reduce_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    intra_node_bytes: int
+    inter_node_bytes: int
+    collectives: int
+
+
+def comm_volume(colls: list[Collective]) -> CommVolume:
+    def total(kind: str) -> int:
+        return sum(c.sent_bytes for c in colls if c.kind == kind)
+
+    sent = sum(c.sent_bytes for c in colls)
+    inter = sum(c.sent_bytes for c in colls if c.inter_node)
+    return CommVolume(total("all_gather"), total("reduce_scatter"), total("all_reduce"),
+                      sent, sent, sent - inter, inter, len(colls))
+
+
+@dataclass(frozen=True)
+class Links:
+    intra: InterconnectProfile
+    inter: InterconnectProfile
+    ranks_per_node: int
+
+    def seconds(self, c: Collective) -> float:
+        bw = self.intra.per_rank_bandwidth(1, c.kind)
+        lat = self.intra.latency_s
+        if c.inter_node:  # the ring's slowest hop sets its pace
+            bw = min(bw, self.inter.per_rank_bandwidth(self.ranks_per_node, c.kind))
+            lat = max(lat, self.inter.latency_s)
+        return c.steps * lat + c.sent_bytes / bw
+
+
+@dataclass(frozen=True)
+class UnitWork:
+    """Seconds of compute per unit and phase."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+
+
+def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int,
+              seq_len: int, flops_per_s: float, mem_bw: float, act_bytes: list[int],
+              checkpointing: bool) -> tuple[UnitWork, float, float]:
+    """(per-unit seconds, model FLOPs, hardware FLOPs) for `tokens` tokens on one rank.
+
+    Forward is a third of the 6 x params x tokens, backward two thirds; activation
+    checkpointing runs each block's forward once more inside backward (hardware FLOPs only).
+    """
+    fwd, bwd = [], []
+    model_flops = hw_flops = 0.0
+    for c, acts in zip(costs, act_bytes):
+        if shape is not None:
+            f_blocks = c.layers * shape.block_flops_per_token(seq_len) * tokens
+            f_head = shape.root_flops_per_token() * tokens if c.head else 0.0
+            if c.head and c.numel > shape.root_params():  # parameters the shape leaves out
+                f_head += 6 * (c.numel - shape.root_params()
+                               - c.layers * shape.block_params()) * tokens
+            f = f_blocks + f_head
+        else:
+            f_blocks, f = 0.0, 6.0 * c.numel * tokens  # every parameter in a matmul
+        recompute = f_blocks / 3 if checkpointing else 0.0
+        model_flops += f
+        hw_flops += f + recompute
+        elementwise = ELEMENTWISE_PASSES * acts / mem_bw
+        fwd.append(f / 3 / flops_per_s + elementwise / 3)
+        bwd.append((2 * f / 3 + recompute) / flops_per_s + 2 * elementwise / 3)
+    return UnitWork(tuple(fwd), tuple(bwd)), model_flops, hw_flops
+
+
+def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
+                    optimizer_s: float, sync_all_reduce: bool) -> float:
+    """Seconds per step with communication on its own stream, in the engine's order.
+
+    `sync_all_reduce`: HYBRID's cross-replica all-reduce runs inside finish_reduce on the
+    training thread, so compute waits for it.
+    """
+    n = len(work.forward_s)
+    by: dict[tuple[str, int, str], list[float]] = {}
+    for c in colls:
+        by.setdefault((c.kind, c.unit, c.phase), []).append(links.seconds(c))
+    comm = 0.0  # when the communication stream is next free
+
+    def issue(kind: str, unit: int, phase: str, at: float) -> float:
+        """Queue a unit's collectives at time `at`; when they will be done."""
+        nonlocal comm
+        durations = by.get((kind, unit, phase), [])
+        if not durations:
+            return at
+        comm = max(comm, at) + sum(durations)
+        return comm
+
+    # Forward: nothing prefetches the root, so it gathers first and alone; its pre-hook
+    # prefetches unit 1, and each unit prefetches the next as it starts computing.
+    comp = issue("all_gather", 0, "forward", 0.0)
+    ready = {1: issue("all_gather", 1, "forward", comp)} if n > 1 else {}
+    for u in range(1, n):
+        start = max(comp, ready.pop(u))
+        if u + 1 < n:
+            ready[u + 1] = issue("all_gather", u + 1, "forward", start)
+        comp = start + work.forward_s[u]
+    comp += work.forward_s[0]  # the root's own work: embedding, head and loss
+
+    # Backward: loss and head first (the root is still unsharded), then the units in
+    # reverse: gather if not prefetched, prefetch the previous unit, compute, reduce.
+    comp += work.backward_s[0] / 2
+    pending: list[tuple[int, float]] = []
+
+    def reduce(u: int) -> None:
+        nonlocal comp
+        done = issue("reduce_scatter", u, "backward", comp)
+        if not sync_all_reduce:
+            done = issue("all_reduce", u, "backward", done)
+        pending.append((u, done))
+
+    def finish_oldest() -> None:
+        nonlocal comp
+        u, done = pending.pop(0)
+        comp = max(comp, done)
+        if sync_all_reduce:
+            comp = issue("all_reduce", u, "backward", comp)
+
+    ready = {}
+    for u in range(n - 1, 0, -1):
+        got = ready.pop(u) if u in ready else issue("all_gather", u, "backward", comp)
+        start = max(comp, got)
+        if u - 1 >= 1:
+            ready[u - 1] = issue("all_gather", u - 1, "backward", start)
+        comp = start + work.backward_s[u]
+        reduce(u)
+        while len(pending) > 2:
+            finish_oldest()
+    comp += work.backward_s[0] / 2  # the embedding's gradient comes last
+    reduce(0)
+    while pending:
+        finish_oldest()
+    return comp + optimizer_s
+
+
+def serial_step(work: UnitWork, colls: list[Collective], links: Links,
+                optimizer_s: float) -> float:
+    """Seconds per step when nothing overlaps: compute + every collective + optimizer."""
+    return (sum(work.forward_s) + sum(work.backward_s)
+            + sum(links.seconds(c) for c in colls) + optimizer_s)
+
+
+def optimizer_seconds(optimizer: str, state_bytes: int, device: DeviceProfile) -> float:
+    return OPTIMIZER_PASSES[optimizer] * state_bytes / device.memory_bandwidth

@@ -1,0 +1,150 @@
+"""The units a plan reasons about, in forward order, from a meta model or a bare count.
+
+For a model this is exactly `shard_model`'s assignment (`engine.wrap`), so the plan and the
+run agree about which parameters travel together. For a bare parameter count the units are
+those of a GPT of the given (or guessed) shape: one per block plus the root, with the same
+parameter shapes `shardwise.train.model.GPT` declares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..engine.policies import WrapPolicyLike, find_block_classes, resolve_wrap_policy
+from ..engine.wrap import ParamSpec, UnitSpec, assign_params, wrap_targets
+from .shape import TransformerShape
+
+
+@dataclass(frozen=True)
+class PlanUnit:
+    """A unit and the work attributed to it.
+
+    spec: its parameters (engine.wrap.UnitSpec; name "" is the root).
+    layers: transformer blocks whose activations and FLOPs run inside this unit's forward.
+    head: the root: it holds the embedding, head and loss activations.
+    """
+
+    spec: UnitSpec
+    layers: int
+    head: bool
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.spec.params)
+
+
+@dataclass(frozen=True)
+class ModelUnits:
+    """Units in forward order (the root first: its pre-hook runs before any child's)."""
+
+    units: tuple[PlanUnit, ...]
+    buffers_bytes: int
+    shape: TransformerShape | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+
+def _is_within(name: str, unit: str) -> bool:
+    return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+def units_of_model(model: nn.Module, policy: WrapPolicyLike,
+                   shape: TransformerShape | None) -> ModelUnits:
+    """`shard_model`'s units for `model` (best built on the meta device: nothing allocated)."""
+    targets = wrap_targets(model, resolve_wrap_policy(policy, model))
+    specs = {u.name: u for u in assign_params(model, targets)}
+    order = [name for name, _ in model.named_modules() if name in specs]
+    notes: list[str] = []
+
+    # Attribute each transformer block to the deepest unit containing it: that unit's
+    # forward is where the block's activations are created and its FLOPs are spent.
+    layers = dict.fromkeys(order, 0)
+    block_classes = tuple(find_block_classes(model))
+    blocks = [n for n, m in model.named_modules() if block_classes and isinstance(m, block_classes)]
+    for b in blocks:
+        owner = max((u for u in order if _is_within(b, u)), key=len)
+        layers[owner] += 1
+    if shape is not None and len(blocks) != shape.n_layers:
+        # Blocks not recognizable as modules: their work happens somewhere in the root.
+        if blocks:
+            notes.append(f"found {len(blocks)} blocks but the shape says {shape.n_layers}; "
+                         "the difference is planned inside the root unit")
+        layers[""] += shape.n_layers - len(blocks)
+
+    units = tuple(PlanUnit(specs[n], layers[n], n == "") for n in order)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return ModelUnits(units, buffers, shape, tuple(notes))
+
+
+def _gpt_block_params(prefix: str, s: TransformerShape) -> tuple[ParamSpec, ...]:
+    d, f, fp32 = s.d_model, s.ffn_dim, torch.float32
+    shapes = {
+        "norm1.weight": (d,), "attn.w_qkv": (3 * d, d), "attn.w_out": (d, d),
+        "norm2.weight": (d,), "mlp.w_in": (f, d), "mlp.w_out": (d, f),
+    }
+    return tuple(ParamSpec(f"{prefix}.{k}", v, fp32, True) for k, v in shapes.items())
+
+
+def synthetic_shape(params: int) -> TransformerShape:
+    """A Llama-proportioned GPT (d_model = 128 x layers) with about `params` parameters,
+    shrinking depth until the blocks leave room for an embedding table."""
+    layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+    while True:
+        d = 128 * layers
+        s = TransformerShape(n_layers=layers, d_model=d, n_heads=max(1, d // 128),
+                             vocab_size=1)
+        room = params - layers * s.block_params() - d
+        if room >= d or layers == 1:
+            vocab = max(1, min(32000, room // d))
+            return TransformerShape(n_layers=layers, d_model=d, n_heads=s.n_heads,
+                                    vocab_size=vocab)
+        layers -= 1
+
+
+def units_of_count(params: int, shape: TransformerShape | None,
+                   policy: WrapPolicyLike) -> ModelUnits:
+    """Units of a GPT with `params` parameters: per-block units (policy "transformer") or a
+    single root unit (policy None). Parameters the shape does not explain become one extra
+    root parameter, so the total is exactly `params`."""
+    if policy is not None and (not isinstance(policy, str) or policy.lower() not in (
+            "transformer", "none", "root")):
+        raise ValueError(f"auto_wrap_policy={policy!r}: a bare parameter count can only be "
+                         "planned with 'transformer' (one unit per block) or None (one unit)")
+    per_block = policy is not None and policy.lower() == "transformer"
+    notes = []
+    if shape is None:
+        shape = synthetic_shape(params)
+        notes.append(f"shape guessed from the parameter count: {shape.n_layers} layers x "
+                     f"{shape.d_model} wide, vocab {shape.vocab_size} (give a shape to set it)")
+    extra = params - shape.params()
+    if extra < 0:
+        raise ValueError(f"params={params:,} is smaller than the shape's own "
+                         f"{shape.params():,} parameters ({shape})")
+    d, fp32 = shape.d_model, torch.float32
+    root_params = [ParamSpec("wte", (shape.vocab_size, d), fp32, True)]
+    if shape.max_seq_len:
+        root_params.append(ParamSpec("wpe", (shape.max_seq_len, d), fp32, True))
+    root_params.append(ParamSpec("norm.weight", (d,), fp32, True))
+    if extra:
+        root_params.append(ParamSpec("other", (extra,), fp32, True))
+        if extra > 0.02 * params:
+            notes.append(f"{extra:,} parameters beyond the shape's {shape.params():,} are "
+                         "planned as one more root parameter")
+    blocks = [_gpt_block_params(f"blocks.{i}", shape) for i in range(shape.n_layers)]
+    if per_block:
+        units = [PlanUnit(UnitSpec("", tuple(root_params)), 0, True)]
+        units += [PlanUnit(UnitSpec(f"blocks.{i}", b), 1, False) for i, b in enumerate(blocks)]
+    else:
+        flat = tuple(root_params) + tuple(p for b in blocks for p in b)
+        units = [PlanUnit(UnitSpec("", flat), shape.n_layers, True)]
+    return ModelUnits(tuple(units), 0, shape, tuple(notes))
