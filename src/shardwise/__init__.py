@@ -18,6 +18,7 @@ from .engine.policies import (
     size_policy,
     transformer_policy,
 )
+from .planner import Plan, plan
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "CheckpointError",
     "MixedPrecisionPolicy",
+    "Plan",
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
@@ -37,6 +39,7 @@ __all__ = [
     "load_full_state_dict",
     "materialize",
     "no_sync",
+    "plan",
     "precision_plan",
     "save_checkpoint",
     "shard_model",

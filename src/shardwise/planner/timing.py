@@ -139,10 +139,9 @@ def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int
         if shape is not None:
             f_blocks = c.layers * shape.block_flops_per_token(seq_len) * tokens
             f_head = shape.root_flops_per_token() * tokens if c.head else 0.0
-            if c.head and c.numel > shape.root_params():  # parameters the shape leaves out
-                f_head += 6 * (c.numel - shape.root_params()
-                               - c.layers * shape.block_params()) * tokens
-            f = f_blocks + f_head
+            # Parameters the shape does not explain: assume they are matmul weights.
+            explained = c.layers * shape.block_params() + (shape.root_params() if c.head else 0)
+            f = f_blocks + f_head + 6 * max(0, c.numel - explained) * tokens
         else:
             f_blocks, f = 0.0, 6.0 * c.numel * tokens  # every parameter in a matmul
         recompute = f_blocks / 3 if checkpointing else 0.0

@@ -114,8 +114,9 @@ def synthetic_shape(params: int) -> TransformerShape:
 def units_of_count(params: int, shape: TransformerShape | None,
                    policy: WrapPolicyLike) -> ModelUnits:
     """Units of a GPT with `params` parameters: per-block units (policy "transformer") or a
-    single root unit (policy None). Parameters the shape does not explain become one extra
-    root parameter, so the total is exactly `params`."""
+    single root unit (policy None). Parameters the shape does not explain (a wider MLP,
+    biases, an untied head) are spread evenly over the blocks as one more parameter each,
+    so the total is exactly `params` and no unit is distorted."""
     if policy is not None and (not isinstance(policy, str) or policy.lower() not in (
             "transformer", "none", "root")):
         raise ValueError(f"auto_wrap_policy={policy!r}: a bare parameter count can only be "
@@ -135,12 +136,15 @@ def units_of_count(params: int, shape: TransformerShape | None,
     if shape.max_seq_len:
         root_params.append(ParamSpec("wpe", (shape.max_seq_len, d), fp32, True))
     root_params.append(ParamSpec("norm.weight", (d,), fp32, True))
-    if extra:
-        root_params.append(ParamSpec("other", (extra,), fp32, True))
-        if extra > 0.02 * params:
-            notes.append(f"{extra:,} parameters beyond the shape's {shape.params():,} are "
-                         "planned as one more root parameter")
     blocks = [_gpt_block_params(f"blocks.{i}", shape) for i in range(shape.n_layers)]
+    L = shape.n_layers
+    for i in range(L):
+        share = extra // L + (1 if i < extra % L else 0)
+        if share:
+            blocks[i] += (ParamSpec(f"blocks.{i}.other", (share,), fp32, True),)
+    if extra > 0.02 * params:
+        notes.append(f"{extra:,} parameters beyond the shape's {shape.params():,} are "
+                     "spread over the blocks")
     if per_block:
         units = [PlanUnit(UnitSpec("", tuple(root_params)), 0, True)]
         units += [PlanUnit(UnitSpec(f"blocks.{i}", b), 1, False) for i, b in enumerate(blocks)]

@@ -1,0 +1,245 @@
+"""`shardwise plan`: will it fit, and how fast, before anyone rents a cluster.
+
+    shardwise plan --model 7b --world-size 8 --mixed-precision bf16 --device h100-80gb \\
+        --batch-size 1 --seq-len 4096
+    shardwise plan --params 7.5e9 --world-size 64 --device h100-80gb --interconnect ib-400g
+    shardwise plan --calibrate            # measure this machine, predict `shardwise train`
+
+Prints the chosen strategy's per-rank table, then every strategy side by side, marking the
+one that fits and runs fastest. `--json` prints `Plan.to_dict()` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ..planner.memory import OPTIMIZERS
+    from ..planner.profiles import DEVICES, INTERCONNECTS
+
+    ap = argparse.ArgumentParser(prog="shardwise plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9")
+    what.add_argument("--model", help="a GPT preset from shardwise.train.model (tiny ... 13b)")
+    ap.add_argument("--world-size", type=int, help="ranks (default 8; --calibrate: --nproc)")
+    ap.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
+                    help=f"{', '.join(STRATEGIES)} (default FULL_SHARD); all are compared")
+    ap.add_argument("--mixed-precision", default="fp32", help="fp32 (default), bf16 or fp16")
+    ap.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)}")
+    ap.add_argument("--device", help=f"{', '.join(DEVICES)} or cpu")
+    ap.add_argument("--interconnect", help=f"between nodes: {', '.join(INTERCONNECTS)}")
+    ap.add_argument("--ranks-per-node", type=int, help="default: the device's (8)")
+    ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (--model: its block size)")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--wrap", default="transformer", choices=("transformer", "none"),
+                    help="one unit per block (default) or the root only")
+    shape = ap.add_argument_group("shape of a bare count (else guessed)")
+    for flag in ("layers", "hidden", "heads", "vocab"):
+        shape.add_argument(f"--{flag}", type=int)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this machine (gloo, local ranks) and predict a local run")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks for --calibrate (default 2)")
+    ap.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
+    return ap
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str]:
+    if args.model:
+        import torch
+
+        from ..train.model import GPT, preset
+
+        cfg = preset(args.model)  # raises with the allowed names
+        with torch.device("meta"):
+            model = GPT(cfg)
+        if args.seq_len is None and args.batch_size is not None:
+            args.seq_len = cfg.block_size
+        return model, None, f"GPT '{args.model}'"
+    shape = None
+    given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
+    if any(v is not None for v in given.values()):
+        missing = [f"--{k}" for k, v in given.items() if v is None and k != "vocab"]
+        if missing:
+            raise ValueError(f"a shape needs --layers, --hidden and --heads; missing {missing}")
+        shape = {"n_layers": given["layers"], "d_model": given["hidden"],
+                 "n_heads": given["heads"], "vocab_size": given["vocab"] or 32000}
+    return args.params, shape, f"{_count(args.params)} parameters"
+
+
+def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
+              device: object, interconnect: object) -> dict[str, object]:
+    from ..planner import plan
+
+    out = {}
+    for s in STRATEGIES:
+        try:
+            out[s] = plan(what, world_size=args.world_size, sharding_strategy=s,
+                          auto_wrap_policy=None if args.wrap == "none" else "transformer",
+                          mixed_precision=args.mixed_precision, optimizer=args.optimizer,
+                          cpu_offload=args.cpu_offload, batch_size=args.batch_size,
+                          seq_len=args.seq_len,
+                          activation_checkpointing=args.activation_checkpointing,
+                          device=device, interconnect=interconnect, shape=shape,
+                          ranks_per_node=args.ranks_per_node)
+        except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
+            if s == args.strategy:
+                raise
+            out[s] = e
+    return out
+
+
+def _best(plans: dict[str, object]) -> str | None:
+    """The strategy that fits and runs fastest; steps within 2% of the fastest count as a
+    tie (the model is not that precise), broken by the smaller memory peak. Without times:
+    the smallest memory peak."""
+    ok = {s: p for s, p in plans.items() if not isinstance(p, Exception) and p.fits is not False}
+    if not ok:
+        return None
+    if all(p.time is not None for p in ok.values()):
+        fastest = min(p.time.step_s for p in ok.values())
+        ok = {s: p for s, p in ok.items() if p.time.step_s <= 1.02 * fastest}
+    return min(ok, key=lambda s: ok[s].per_rank.total_bytes)
+
+
+def _table(p: object) -> list[str]:
+    r = p.per_rank
+    rows = [
+        ("parameters (sharded, fp32 masters)", r.params_bytes),
+        ("gradients (sharded)", r.grads_bytes),
+        (f"optimizer state ({p.optimizer})", r.optimizer_bytes),
+        ("= model states", r.model_states_bytes),
+        ("gathered units, peak (prefetch incl.)", r.unsharded_bytes),
+        ("communication buffers, peak", r.comm_buffers_bytes),
+        ("activations, peak", r.activations_bytes),
+        ("module buffers", r.buffers_bytes),
+        ("optimizer step temporaries", r.optimizer_temp_bytes),
+    ]
+    out = [f"{p.sharding_strategy} per rank (rank 0 holds the most; shard {p.shard_size} x "
+           f"replicate {p.replicate_size}):"]
+    out += [f"  {name:<40} {_size(v):>11}" for name, v in rows]
+    out.append(f"  {'peak forward / backward / step':<40} "
+               f"{_size(r.peak_forward_bytes)} / {_size(r.peak_backward_bytes)} / "
+               f"{_size(r.peak_step_bytes)}")
+    line = f"  {'total (the step peak)':<40} {_size(r.total_bytes):>11}"
+    if p.usable_bytes is not None:
+        line += f"  of {_size(p.usable_bytes)} usable: {'fits' if p.fits else 'DOES NOT FIT'}"
+        if p.max_batch_size is not None:
+            line += f"; largest batch {p.max_batch_size}"
+    out.append(line)
+    if r.host_bytes:
+        out.append(f"  {'host memory (CPU offload)':<40} {_size(r.host_bytes):>11}")
+    c = p.comm
+    out.append(f"  sent per rank per step: {_size(c.sent_bytes)} (all-gather "
+               f"{_size(c.all_gather_bytes)}, reduce-scatter {_size(c.reduce_scatter_bytes)}, "
+               f"all-reduce {_size(c.all_reduce_bytes)}; intra-node {_size(c.intra_node_bytes)}, "
+               f"inter-node {_size(c.inter_node_bytes)}), received the same")
+    t = p.time
+    if t is not None:
+        out.append(f"  {t.model_flops / 1e12:.3g} TFLOP per rank per step; step "
+                   f"{_secs(t.step_s)} (overlapped {_secs(t.step_s_overlap)}, serial "
+                   f"{_secs(t.step_s_serial)}: compute {_secs(t.compute_s)}, communication "
+                   f"{_secs(t.comm_s)}, optimizer {_secs(t.optimizer_s)})")
+        out.append(f"  MFU {100 * t.mfu:.0f}%, {t.tokens_per_s:,.0f} tokens/s for the job")
+        out.append(f"  verdict: {t.verdict}")
+    return out
+
+
+def _compare(plans: dict[str, object], best: str | None) -> list[str]:
+    head = (f"  {'strategy':<15} {'states':>10} {'total':>10} {'fits':>5} {'max b':>6} "
+            f"{'sent/rank':>10} {'step':>9} {'MFU':>5}")
+    out = ["every strategy, side by side (* fits and runs fastest; steps within 2% of the "
+           "fastest tie, and the one needing less memory wins):", head]
+    for s, p in plans.items():
+        if isinstance(p, Exception):
+            out.append(f"  {s:<15} n/a: {p}")
+            continue
+        fits = "-" if p.fits is None else ("yes" if p.fits else "no")
+        mb = "-" if p.max_batch_size is None else str(p.max_batch_size)
+        step = _secs(p.time.step_s) if p.time else "-"
+        mfu = f"{100 * p.time.mfu:.0f}%" if p.time else "-"
+        mark = "*" if s == best else " "
+        out.append(f"{mark} {s:<15} {_size(p.per_rank.model_states_bytes):>10} "
+                   f"{_size(p.per_rank.total_bytes):>10} {fits:>5} {mb:>6} "
+                   f"{_size(p.comm.sent_bytes):>10} {step:>9} {mfu:>5}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.strategy not in STRATEGIES:
+        ap.error(f"--strategy={args.strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    device: object = args.device
+    interconnect: object = args.interconnect
+    header = []
+    try:
+        if args.calibrate:
+            from ..planner.calibrate import calibrate
+
+            if not (args.params or args.model):  # `shardwise train`'s defaults
+                args.model, args.batch_size = "small", args.batch_size or 8
+            args.world_size = args.world_size or args.nproc
+            cal = calibrate(args.nproc)
+            device, interconnect = cal.device(), cal.interconnect()
+            bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.collective_bandwidth.items())
+            header.append(f"calibrated {args.nproc} local ranks x {cal.threads} threads: "
+                          f"{cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul per rank, memory "
+                          f"{cal.memory_bandwidth / 1e9:.1f} GB/s, gloo {bw}, latency "
+                          f"{cal.latency_s * 1e6:.0f} us")
+        if args.params is None and args.model is None:
+            ap.error("give --params N or --model PRESET (or --calibrate)")
+        args.world_size = args.world_size or 8
+        what, shape, label = _model_and_shape(args)
+        plans = _plan_all(args, what, shape, device, interconnect)
+    except ValueError as e:
+        print(f"shardwise plan: {e}", file=sys.stderr)
+        return 2
+    chosen = plans[args.strategy]
+    if args.json:
+        print(json.dumps(chosen.to_dict(), indent=2))
+        return 0
+    p = chosen
+    batch = f", batch {p.batch_size} x {p.seq_len} tokens per rank" if p.batch_size else ""
+    print(f"shardwise plan: {label} ({_count(p.params)} params, {p.units} units) on "
+          f"{p.world_size} x {p.device or 'any device'}"
+          + (f" ({p.interconnect})" if p.interconnect else "")
+          + f", {p.mixed_precision}, {p.optimizer}{batch}")
+    for line in header:
+        print(line)
+    print()
+    for line in _table(p):
+        print(line)
+    for note in p.notes:
+        print(f"  note: {note}")
+    print()
+    for line in _compare(plans, _best(plans)):
+        print(line)
+    return 0
