@@ -293,3 +293,16 @@ def test_leftovers_of_a_crash_while_deleting_are_ignored_then_cleaned(ckpt: tupl
     # Deleting a checkpoint that way never leaves one that looks complete.
     atomic.remove(path)
     assert not os.path.exists(path)
+
+
+def test_loaded_state_does_not_depend_on_the_files(ckpt: tuple) -> None:
+    path, model, opt = ckpt
+    m2, o2 = fresh()
+    sw.load_checkpoint(path, m2, o2)
+    for name in os.listdir(path):
+        os.truncate(os.path.join(path, name), 0)  # a memory-mapped view would now SIGBUS
+    x, y = make_batch("lm", 7, 4)
+    for m, o in ((model, opt), (m2, o2)):
+        loss_fn("lm", m(x), y).backward()
+        o.step()
+    assert same_params(model, m2)

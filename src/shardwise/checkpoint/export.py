@@ -246,7 +246,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, *,
                 progress(ExportProgress("tensor", e.key, i, len(entries), e.nbytes))
             name = model_name(e.key)
             for _, a, b in m.tensors[name].pieces:
-                writer.write(e.key, reader.read(name, a, b))
+                writer.write(e.key, reader.read(name, a, b, own=False))
                 # Unmap: pages of a memory-mapped file count as this process's memory.
                 reader.close()
         return writer.close()

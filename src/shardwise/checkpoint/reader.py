@@ -53,7 +53,8 @@ class RowReader:
     """Reads rows [start, end) of a stored tensor from whichever files hold them.
 
     Files are opened lazily (safetensors memory-maps them) and only the requested rows of
-    each piece are copied out, so a rank reads about 1/N of the checkpoint.
+    each piece are copied out, so a rank reads about 1/N of the checkpoint. Returned tensors
+    own their memory.
     """
 
     def __init__(self, ckpt: str, manifest: Manifest) -> None:
@@ -71,13 +72,20 @@ class RowReader:
                     from None
         return self._handles[name]
 
-    def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of tensor `name` as a (end - start, *rest) CPU tensor."""
+    def read(self, name: str, start: int, end: int, *, own: bool = True) -> torch.Tensor:
+        """Rows [start, end) of tensor `name` as a (end - start, *rest) CPU tensor.
+
+        `own=False` may return a view of the memory-mapped file, valid until `close()`.
+        """
         info = self.manifest.tensors[name]
         parts = [(f, a, b) for f, a, b in info.pieces if max(a, start) < min(b, end)]
         if len(parts) == 1 and parts[0][1] <= start and end <= parts[0][2]:
             f, a, _ = parts[0]
-            return self._slice(name, f, start - a, end - a)  # inside one piece: no extra copy
+            # safetensors hands out views of its (copy-on-write) memory map of the file: own
+            # the memory, or optimizer state would stay backed by the file (SIGBUS if it is
+            # truncated later) and keep the whole piece mapped.
+            rows = self._slice(name, f, start - a, end - a)
+            return rows.clone() if own else rows
         out = torch.empty((end - start, *info.rest), dtype=info.dtype)
         for f, a, b in parts:
             lo, hi = max(a, start), min(b, end)
