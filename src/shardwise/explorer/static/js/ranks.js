@@ -24,7 +24,8 @@ function shardMap(rank, colour) {
               background: colour } })),
           el("span", { class: "rows",
             text: owned === 0 ? "no rows (only padding)"
-              : `${owned === 1 ? `row ${a}` : `rows ${a}–${b - 1}`} · ${p.numel} values` }));
+              : `${owned === 1 ? `row ${a}` : `rows ${a}–${b - 1}`} · ${p.numel} ` +
+                `value${p.numel === 1 ? "" : "s"}` }));
       }))));
 }
 
@@ -39,7 +40,7 @@ function memoryTable(rank, reference) {
     el("td", {}, el("div", { class: "membar" }, el("div", {
       class: `fill ${key}`, style: { width: `${Math.min(100, (100 * (bytes || 0)) / ref)}%` },
     }))),
-    el("td", { class: "muted", text: refBytes === null ? "" : `/ ${fmtBytes(refBytes)}`,
+    el("td", { class: "muted ref", text: refBytes === null ? "" : `/ ${fmtBytes(refBytes)}`,
       title: refBytes === null ? null : "one unsharded replica" }));
   return el("table", { class: "mem", "data-testid": "memory" },
     row("parameters", m.params, reference.params, "params"),
@@ -49,7 +50,7 @@ function memoryTable(rank, reference) {
     el("tr", { class: "total" }, el("th", { text: "total" }),
       el("td", { class: "num", "data-testid": "rank-total", text: ran ? fmtBytes(total) : "–" }),
       el("td", { colspan: 2, class: "muted",
-        text: ran ? `${((100 * total) / ref).toFixed(0)}% of one unsharded replica`
+        text: ran ? `${((100 * total) / ref).toFixed(0)}% of an unsharded replica`
           : "after the first step" })));
 }
 
