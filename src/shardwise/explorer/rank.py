@@ -11,6 +11,7 @@ loss, accuracy and decision regions of the full model.
 from __future__ import annotations
 
 import os
+import queue
 import traceback
 from typing import Any
 
@@ -186,8 +187,16 @@ def rank_main(rank: int, world: int, port: int, cmd_q: Any, out_q: Any, backend:
         return
     out_q.put((rank, -1, "ok", {"device": str(device)}))
     trainer: RankTrainer | None = None
+    parent = os.getppid()
     while True:
-        msg = cmd_q.get()
+        try:
+            msg = cmd_q.get(timeout=1.0)
+        except queue.Empty:
+            # A server killed outright never sends `close`: leave when orphaned (the OS
+            # hands orphans to another parent) instead of lingering on a shared machine.
+            if os.getppid() != parent:
+                break
+            continue
         op, mid = msg["op"], msg["id"]
         if op == "close":
             break
