@@ -33,7 +33,7 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path: object) -> 
     warm.join()
     seed = random.randrange(10**6)
     rng = random.Random(seed)
-    last = 0
+    last = waited = 0
     for rnd in range(ROUNDS):
         world = 1 + rnd % 2
         recv, send = ctx.Pipe(duplex=False)
@@ -48,8 +48,9 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path: object) -> 
             send.close()
             # Half the rounds kill during start-up or the first save (which also recovers
             # what the last kill left), half at a random point of a later save.
-            if rnd % 4 >= 2 and recv.poll(timeout=30):
+            if rnd % 4 >= 2 and recv.poll(timeout=60):
                 reported.append(recv.recv())
+                waited += 1
             time.sleep(rng.uniform(0.0, 0.4))
             for p in rng.sample(procs, len(procs)):
                 os.kill(p.pid, signal.SIGKILL)
@@ -71,7 +72,7 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path: object) -> 
         assert v in (hi, hi + 1), what
         assert child.version_of(model, opt) == {float(v)}, what
         last = v
-    assert last >= ROUNDS // 2, f"seed {seed}: only {last} saves in {ROUNDS} rounds"
+    assert last >= waited > 0, f"seed {seed}: only {last} saves in {ROUNDS} rounds"
     # A clean save afterwards leaves nothing of the crashed ones behind.
     sw.save_checkpoint(path, model, opt, step=last + 1, extra={"v": last + 1})
     assert os.listdir(str(tmp_path)) == ["ckpt"]
