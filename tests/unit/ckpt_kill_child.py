@@ -23,8 +23,8 @@ WIDTH = 192  # 4 layers: ~150k parameters, ~1.8 MB per save with AdamW state
 
 def make() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH + i) for i in range(0, 4, 1)][:1],
-                          *[nn.Linear(WIDTH + i, WIDTH + i + 1) for i in range(3)])
+    # Odd widths: at 2 ranks the shards are uneven.
+    model = nn.Sequential(*[nn.Linear(WIDTH + i, WIDTH + i + 1) for i in range(4)])
     sw.shard_model(model, auto_wrap_policy=None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
