@@ -2,6 +2,7 @@
 
 import { getJSON } from "./api.js";
 import { lineChart } from "./charts.js";
+import { renderLegend } from "./ranks.js";
 import {
   PHASE_COLOURS, PHASE_NAMES, RANK_COLOURS, el, fmtBytes, prepareCanvas, unitLabel,
 } from "./util.js";
@@ -16,11 +17,16 @@ function drawTimeline(canvas, rank, span) {
   const hideRoot = rank.events.some((e) => e.unit !== "" && !e.collective &&
     (e.phase === "forward" || e.phase === "backward"));
   for (const e of rank.events) {
-    if (hideRoot && e.unit === "" && !e.collective && e.phase !== "reshard") continue;
-    const y = e.phase === "reshard" ? 4 : e.collective ? 30 : 8;
-    const hgt = e.phase === "reshard" ? 42 : 18;
+    if (e.phase === "reshard") {
+      // A tick where the unit's full parameters were freed (its duration is negligible,
+      // or time spent waiting on a gather that must finish first).
+      ctx.fillStyle = PHASE_COLOURS.reshard;
+      ctx.fillRect(X(e.t1) - 0.75, 16, 1.5, 42);
+      continue;
+    }
+    if (hideRoot && e.unit === "" && !e.collective) continue;
     ctx.fillStyle = PHASE_COLOURS[e.phase] || "#000";
-    ctx.fillRect(X(e.t0), y, Math.max(1.5, X(e.t1) - X(e.t0)), hgt);
+    ctx.fillRect(X(e.t0), e.collective ? 42 : 20, Math.max(1.5, X(e.t1) - X(e.t0)), 18);
   }
   const peak = Math.max(1, ...rank.memory.map((m) => m[1]));
   ctx.strokeStyle = "#343a40";
@@ -38,7 +44,7 @@ function drawTimeline(canvas, rank, span) {
   for (const e of rank.events) if (!firsts.has(e.step)) firsts.set(e.step, e.t0);
   ctx.fillStyle = "#212529";
   ctx.font = "10px system-ui, sans-serif";
-  for (const [step, t] of firsts) ctx.fillText(`step ${step}`, X(t) + 2, h - 28);
+  for (const [step, t] of firsts) ctx.fillText(`step ${step}`, X(t), 11);
 }
 
 async function showWindow(summary) {
@@ -47,7 +53,7 @@ async function showWindow(summary) {
   const win = await getJSON(`/api/replay/window?start=${start}&count=${count}`);
   const span = Math.max(0, ...win.ranks.flatMap((r) => r.events.map((e) => e.t1)));
   $("replay-ranks").replaceChildren(...win.ranks.map((r) => {
-    const canvas = el("canvas", { width: 900, height: 74 });
+    const canvas = el("canvas", { width: 900, height: 86 });
     const bytes = r.events.filter((e) => e.collective).reduce((s, e) => s + e.bytes, 0);
     const row = el("div", { class: "replay-rank", "data-testid": "replay-rank",
       "data-rank": r.rank, style: { borderLeftColor: RANK_COLOURS[r.rank % 4] } },
@@ -94,7 +100,11 @@ function memoryChart(summary) {
 
 function table(summary) {
   const head = el("tr", {}, el("th", { text: "step" }),
-    summary.ranks.map((r) => el("th", { text: `rank ${r}: span / comm / bytes / working` })));
+    summary.ranks.map((r) => el("th", {
+      text: `rank ${r}: span / collectives / bytes / working set`,
+      title: "span: first to last event; collectives: their intervals summed (they overlap " +
+        "compute and each other); bytes: through collectives; working set: peak of " +
+        "gathered units, from all-gather and reshard events" })));
   const rows = summary.per_step.slice(0, 200).map((s) => el("tr", {},
     el("td", { class: "num", text: s.step }),
     s.ranks.map((r) => el("td", { class: "num", text: `${r.span_ms.toFixed(1)} ms / ` +
@@ -112,6 +122,7 @@ export async function startReplay() {
   if (summary.steps.length) $("replay-start").value = String(summary.steps[0]);
   $("replay-start").addEventListener("change", () => showWindow(summary));
   $("replay-count").addEventListener("change", () => showWindow(summary));
+  renderLegend($("replay-legend"));
   memoryChart(summary);
   table(summary);
   await showWindow(summary);
