@@ -151,7 +151,8 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
     now = clock_of(clock)
     ratios, rows = [], []
     for _ in range(rounds):
-        cal = calibrate_in_group(matmul=(batch * seq, d, 4 * d), repeats=3, clock=clock)
+        cal = calibrate_in_group(matmul=(batch * seq, d, 4 * d), repeats=3, clock=clock,
+                                 attention=(batch, cfg.n_head, seq, d // cfg.n_head))
         predicted = plan(meta, world_size=world, batch_size=batch, seq_len=seq,
                          device=cal.device(), interconnect=cal.interconnect(), rank=rank).time
         torch.distributed.barrier()
@@ -162,7 +163,9 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
         ratios.append(t[0].item() / predicted.step_s)
         rows.append({"measured_s": t[0].item(), "wall_s": t[1].item(),
                      "predicted_s": predicted.step_s, "compute_s": predicted.compute_s,
-                     "comm_s": predicted.comm_s, "gflops": cal.flops["fp32"] / 1e9})
+                     "comm_s": predicted.comm_s, "gflops": cal.flops["fp32"] / 1e9,
+                     "attention": cal.attention_efficiency,
+                     "elementwise_gbs": cal.elementwise_bandwidth / 1e9})
     return {
         "rank": rank, "rss_growth": hwm - rss0, "exact_hwm": exact,
         "planned_total": mem_plan.per_rank.total_bytes, "per_rank": mem_plan.per_rank,

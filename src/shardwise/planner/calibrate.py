@@ -70,6 +70,37 @@ def measure_memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5,
     return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), repeats, clock)
 
 
+def measure_attention_efficiency(batch: int = 4, heads: int = 8, seq: int = 128,
+                                 head_dim: int = 64, matmul_flops: float = 0.0,
+                                 repeats: int = 5, clock: str = "wall") -> float:
+    """Causal `scaled_dot_product_attention` forward + backward, as a fraction of
+    `matmul_flops`, counting the FLOPs the time model counts (6 * T * d per token)."""
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    g = torch.randn(batch, heads, seq, head_dim)
+
+    def run() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+    flops = 6 * seq * heads * head_dim * batch * seq
+    return flops / _median_seconds(run, repeats, clock) / matmul_flops
+
+
+def measure_elementwise_bandwidth(numel: int = 2**21, repeats: int = 5,
+                                  clock: str = "wall") -> float:
+    """The time model's elementwise rate on this CPU: GELU (tanh) forward + backward over
+    `numel` fp32 elements stands for the non-matmul work each saved activation element
+    costs (the time model charges ELEMENTWISE_PASSES x its bytes at this rate)."""
+    from .timing import ELEMENTWISE_PASSES
+
+    x = torch.randn(numel, requires_grad=True)
+    g = torch.randn(numel)
+
+    def run() -> None:
+        torch.nn.functional.gelu(x, approximate="tanh").backward(g)
+
+    return ELEMENTWISE_PASSES * 4 * numel / _median_seconds(run, repeats, clock)
+
+
 def _one_collective(kind: str, nbytes: int, world: int, group: object | None) -> Callable:
     n = max(1, nbytes // 4 // world)  # elements per rank's chunk
     if kind == "all_gather":
@@ -124,6 +155,8 @@ class Calibration:
     threads: int  # torch threads per rank during the measurement
     flops: dict[str, float]  # matmul FLOP/s per rank by dtype name
     memory_bandwidth: float  # bytes/s per rank
+    attention_efficiency: float  # fused causal attention vs the matmul rate
+    elementwise_bandwidth: float  # see measure_elementwise_bandwidth
     collective_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s per rank
     latency_s: float = 0.0
     memory_bytes: int = 0
@@ -142,7 +175,8 @@ class Calibration:
         return Calibration(
             first.world_size, first.threads,
             {k: med(lambda c, k=k: c.flops[k]) for k in first.flops},
-            med(lambda c: c.memory_bandwidth),
+            med(lambda c: c.memory_bandwidth), med(lambda c: c.attention_efficiency),
+            med(lambda c: c.elementwise_bandwidth),
             {k: med(lambda c, k=k: c.collective_bandwidth[k])
              for k in first.collective_bandwidth},
             med(lambda c: c.latency_s), first.memory_bytes, first.clock)
@@ -150,7 +184,9 @@ class Calibration:
     def device(self) -> DeviceProfile:
         """This CPU as a device: the measured rates count as its achievable peak."""
         return cpu_device(self.memory_bytes, self.flops["fp32"], self.memory_bandwidth,
-                          ranks_per_node=self.world_size, name="local-cpu")
+                          ranks_per_node=self.world_size, name="local-cpu",
+                          attention_efficiency=self.attention_efficiency,
+                          elementwise_bandwidth=self.elementwise_bandwidth)
 
     def interconnect(self) -> InterconnectProfile:
         bw = self.collective_bandwidth
@@ -161,31 +197,40 @@ class Calibration:
         return {
             "world_size": self.world_size, "threads": self.threads, "flops": self.flops,
             "memory_bandwidth": self.memory_bandwidth,
+            "attention_efficiency": self.attention_efficiency,
+            "elementwise_bandwidth": self.elementwise_bandwidth,
             "collective_bandwidth": self.collective_bandwidth, "latency_s": self.latency_s,
             "memory_bytes": self.memory_bytes, "clock": self.clock,
         }
 
 
-def calibrate_in_group(matmul: tuple[int, int, int] = (1024, 1024, 1024), repeats: int = 5,
+def calibrate_in_group(matmul: tuple[int, int, int] = (1024, 1024, 1024),
+                       attention: tuple[int, int, int, int] = (4, 8, 128, 64), repeats: int = 5,
                        group: object | None = None, clock: str = "wall") -> Calibration:
     """Every rank of the current process group calls this at the same time.
 
     matmul: (tokens, d_in, d_out) of the model's typical linear layer.
+    attention: (batch, heads, seq, head_dim) of its attention.
     clock: "wall" (default) or "cpu" (see CLOCKS: for comparisons on a shared machine).
     """
     world = C.world_size(group)
     C.barrier(group)
     flops = measure_matmul_flops(*matmul, repeats=repeats, clock=clock)
+    att = measure_attention_efficiency(*attention, matmul_flops=flops, repeats=repeats,
+                                       clock=clock)
+    ew = measure_elementwise_bandwidth(matmul[0] * matmul[2], repeats=repeats, clock=clock)
     mem_bw = measure_memory_bandwidth(repeats=repeats, clock=clock)
     # The slowest rank sets the pace of a synchronous step.
-    flops_t, bw_t = _slowest([1 / flops, 1 / mem_bw], group)
+    inv = _slowest([1 / flops, 1 / mem_bw, 1 / att, 1 / ew], group)
     coll, latency = (measure_collectives(repeats=repeats, group=group, clock=clock)
                      if world > 1 else ({}, 0.0))
-    return Calibration(world, torch.get_num_threads(), {"fp32": 1 / flops_t}, 1 / bw_t, coll,
-                       latency, cpu_device().memory_bytes, clock)
+    return Calibration(world, torch.get_num_threads(), {"fp32": 1 / inv[0]}, 1 / inv[1],
+                       1 / inv[2], 1 / inv[3], coll, latency, cpu_device().memory_bytes,
+                       clock)
 
 
-def _worker(matmul: tuple[int, int, int], repeats: int) -> dict:
+def _worker(matmul: tuple[int, int, int], attention: tuple[int, int, int, int],
+            repeats: int) -> dict:
     from ..engine.distributed import init_distributed
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -194,17 +239,18 @@ def _worker(matmul: tuple[int, int, int], repeats: int) -> dict:
     torch.set_num_threads(max(1, cores // local))  # as `shardwise train` does
     init_distributed("gloo")
     try:
-        return calibrate_in_group(matmul, repeats).to_dict()
+        return calibrate_in_group(matmul, attention, repeats).to_dict()
     finally:
         C.destroy_process_group()
 
 
 def calibrate(nproc: int = 2, matmul: tuple[int, int, int] = (1024, 1024, 1024),
+              attention: tuple[int, int, int, int] = (4, 8, 128, 64),
               repeats: int = 5) -> Calibration:
     """Measure this machine with `nproc` local ranks (gloo), started by torch's launcher."""
     from ..launch import launch
 
     if not isinstance(nproc, int) or nproc < 2:
         raise ValueError(f"nproc={nproc!r} must be an int >= 2 (collectives need 2 ranks)")
-    d = launch(_worker, nproc, matmul, repeats)[0]
+    d = launch(_worker, nproc, matmul, attention, repeats)[0]
     return Calibration(**d)

@@ -317,12 +317,10 @@ def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DevicePro
     if dname not in dev.peak_flops:
         raise ValueError(f"device {dev.name!r} has no {dname} FLOP/s figure "
                          f"(it has {sorted(dev.peak_flops)})")
-    flops_per_s = dev.flops(dname)
     a = acts or StepActivations()
     act_per_unit = [a.layer * c.layers + (a.head if c.head else 0) for c in costs]
-    work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, flops_per_s,
-                                              dev.memory_bandwidth, act_per_unit,
-                                              checkpointing)
+    work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, dev, dname,
+                                              act_per_unit, checkpointing)
     state_bytes = sum(c.state_bytes for c in costs)
     optimizer_s = T.optimizer_seconds(opt, state_bytes, dev)
     compute_s = sum(work.forward_s) + sum(work.backward_s)

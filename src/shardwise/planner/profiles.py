@@ -38,6 +38,12 @@ class DeviceProfile:
     optimizer_foreach: torch's optimizers take the multi-tensor (foreach) path, which holds
       one temporary the size of all local parameters; False: per-parameter temporaries.
     is_cpu: the host itself (CPU offload then moves nothing anywhere).
+    attention_efficiency: the rate of fused causal attention (forward + backward, causal
+      FLOPs) as a fraction of the achievable matmul rate: FlashAttention-2 reaches roughly
+      half to two thirds of what GEMMs do on A100/H100.
+    elementwise_bandwidth: bytes/s of non-matmul layers (norms, GELU, residual adds);
+      None: memory_bandwidth (GPUs: they are memory-bound). CPUs compute GELU slower than
+      they stream memory, so calibration measures it.
     """
 
     name: str
@@ -53,6 +59,8 @@ class DeviceProfile:
     collective_scratch: bool = False
     optimizer_foreach: bool = True
     is_cpu: bool = False
+    attention_efficiency: float = 0.6
+    elementwise_bandwidth: float | None = None
 
     def flops(self, dtype_name: str) -> float:
         """Achievable matmul FLOP/s in `dtype_name`."""
@@ -130,7 +138,8 @@ ALIASES = {"nvlink": "nvlink4"}
 
 
 def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: float = 1e10,
-               ranks_per_node: int = 1, name: str = "cpu") -> DeviceProfile:
+               ranks_per_node: int = 1, name: str = "cpu", attention_efficiency: float = 0.5,
+               elementwise_bandwidth: float | None = None) -> DeviceProfile:
     """This machine's CPU running gloo. The default rates are placeholders: measure them
     with planner.calibrate (`shardwise plan --calibrate`)."""
     if not memory_bytes:
@@ -144,7 +153,8 @@ def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: flo
         fragmentation=0.0, intra_node="local-gloo", ranks_per_node=ranks_per_node,
         # The ranks' own cores run gloo's copies, so communication does not hide; gloo
         # copies whole buffers; torch's optimizers take the per-parameter path on CPU.
-        overlap=False, collective_scratch=True, optimizer_foreach=False, is_cpu=True)
+        overlap=False, collective_scratch=True, optimizer_foreach=False, is_cpu=True,
+        attention_efficiency=attention_efficiency, elementwise_bandwidth=elementwise_bandwidth)
 
 
 def _key(value: str) -> str:

@@ -66,14 +66,19 @@ class TransformerShape:
 
     # --- FLOPs (per token, forward + backward) --------------------------------------------
 
-    def block_flops_per_token(self, seq_len: int) -> float:
-        """6 x matmul params (2 forward, 4 backward) + causal attention (PaLM appendix B).
-
-        QK^T and AV are 2*T*d multiply-adds each per token forward; causal masking halves
-        them, and backward doubles forward: 3 * 2 * 2 * T * d / 2 = 6 * T * d.
-        """
+    def block_matmul_flops_per_token(self) -> float:
+        """6 x matmul params: 2 forward, 4 backward (input and weight gradients)."""
         d, f = self.d_model, self.ffn_dim
-        return 6 * (4 * d * d + 2 * d * f) + 6 * seq_len * d
+        return 6 * (4 * d * d + 2 * d * f)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Causal attention (PaLM appendix B): QK^T and AV are 2*T*d FLOPs each per token
+        forward; causal masking halves them, and backward doubles forward:
+        3 * 2 * 2 * T * d / 2 = 6 * T * d."""
+        return 6 * seq_len * self.d_model
+
+    def block_flops_per_token(self, seq_len: int) -> float:
+        return self.block_matmul_flops_per_token() + self.attention_flops_per_token(seq_len)
 
     def root_flops_per_token(self) -> float:
         return 6 * self.vocab_size * self.d_model  # the tied output head; lookups are free

@@ -126,30 +126,40 @@ class UnitWork:
 
 
 def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int,
-              seq_len: int, flops_per_s: float, mem_bw: float, act_bytes: list[int],
+              seq_len: int, device: DeviceProfile, dtype_name: str, act_bytes: list[int],
               checkpointing: bool) -> tuple[UnitWork, float, float]:
     """(per-unit seconds, model FLOPs, hardware FLOPs) for `tokens` tokens on one rank.
 
-    Forward is a third of the 6 x params x tokens, backward two thirds; activation
-    checkpointing runs each block's forward once more inside backward (hardware FLOPs only).
+    Matmuls run at the device's achievable rate, attention at its own fraction of it,
+    non-matmul layers at the elementwise bandwidth. Forward is a third of the FLOPs,
+    backward two thirds; activation checkpointing runs each block's forward once more
+    inside backward (hardware FLOPs only).
     """
+    rate = device.flops(dtype_name)
+    att_rate = rate * device.attention_efficiency
+    ew_bw = device.elementwise_bandwidth or device.memory_bandwidth
     fwd, bwd = [], []
     model_flops = hw_flops = 0.0
     for c, acts in zip(costs, act_bytes):
         if shape is not None:
-            f_blocks = c.layers * shape.block_flops_per_token(seq_len) * tokens
-            f_head = shape.root_flops_per_token() * tokens if c.head else 0.0
+            block_mm = c.layers * shape.block_matmul_flops_per_token() * tokens
+            block_att = c.layers * shape.attention_flops_per_token(seq_len) * tokens
+            other = shape.root_flops_per_token() * tokens if c.head else 0.0
             # Parameters the shape does not explain: assume they are matmul weights.
             explained = c.layers * shape.block_params() + (shape.root_params() if c.head else 0)
-            f = f_blocks + f_head + 6 * max(0, c.numel - explained) * tokens
+            other += 6 * max(0, c.numel - explained) * tokens
         else:
-            f_blocks, f = 0.0, 6.0 * c.numel * tokens  # every parameter in a matmul
-        recompute = f_blocks / 3 if checkpointing else 0.0
-        model_flops += f
-        hw_flops += f + recompute
-        elementwise = ELEMENTWISE_PASSES * acts / mem_bw
-        fwd.append(f / 3 / flops_per_s + elementwise / 3)
-        bwd.append((2 * f / 3 + recompute) / flops_per_s + 2 * elementwise / 3)
+            block_mm = block_att = 0.0
+            other = 6.0 * c.numel * tokens  # every parameter in a matmul
+        block_s = block_mm / rate + block_att / att_rate
+        seconds = block_s + other / rate
+        blocks = block_mm + block_att
+        model_flops += blocks + other
+        hw_flops += blocks + other + (blocks / 3 if checkpointing else 0.0)
+        elementwise = ELEMENTWISE_PASSES * acts / ew_bw
+        fwd.append(seconds / 3 + elementwise / 3)
+        bwd.append(2 * seconds / 3 + (block_s / 3 if checkpointing else 0.0)
+                   + 2 * elementwise / 3)
     return UnitWork(tuple(fwd), tuple(bwd)), model_flops, hw_flops
 
 
