@@ -184,6 +184,8 @@ def test_phase_peaks_and_options() -> None:
     off = sw.plan(model, cpu_offload=True, **kw)
     assert off.per_rank.host_bytes == r.model_states_bytes
     assert off.per_rank.total_bytes < r.total_bytes - r.model_states_bytes / 2
+    assert off.time.offload_s > 0 == p.time.offload_s
+    assert off.time.step_s > p.time.step_s + off.time.offload_s  # the host's Adam is slow
 
 
 def test_to_dict_is_json() -> None:

@@ -37,8 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks-per-node", type=int, help="default: the device's (8)")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence (--model: its block size)")
-    ap.add_argument("--activation-checkpointing", action="store_true")
-    ap.add_argument("--cpu-offload", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="keep only each block's input; recompute the block in backward")
+    ap.add_argument("--cpu-offload", action="store_true",
+                    help="model states in host memory; the optimizer steps on the host")
     ap.add_argument("--wrap", default="transformer", choices=("transformer", "none"),
                     help="one unit per block (default) or the root only")
     shape = ap.add_argument_group("shape of a bare count (else guessed)")
@@ -61,10 +63,17 @@ def _size(n: float | None) -> str:
 
 
 def _count(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
             return f"{n / div:.3g}{unit}"
     return f"{n:.0f}"
+
+
+def _flop(n: float) -> str:
+    for unit, div in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n / 1e6:.3g} MFLOP"
 
 
 def _secs(s: float) -> str:
@@ -163,7 +172,7 @@ def _table(p: object) -> list[str]:
                f"inter-node {_size(c.inter_node_bytes)}), received the same")
     t = p.time
     if t is not None:
-        out.append(f"  {t.model_flops / 1e12:.3g} TFLOP per rank per step; step "
+        out.append(f"  {_flop(t.model_flops)} per rank per step; step "
                    f"{_secs(t.step_s)} (overlapped {_secs(t.step_s_overlap)}, serial "
                    f"{_secs(t.step_s_serial)}: compute {_secs(t.compute_s)}, communication "
                    f"{_secs(t.comm_s)}, optimizer {_secs(t.optimizer_s)})")
@@ -192,6 +201,28 @@ def _compare(plans: dict[str, object], best: str | None) -> list[str]:
     return out
 
 
+def _calibrate(args: argparse.Namespace, what: object,
+               shape: dict | None) -> tuple[object, object, str]:
+    """Measure this machine with the model's own matmul and attention shapes."""
+    from ..planner.calibrate import calibrate
+    from ..planner.shape import coerce_shape, shape_of_model
+    from ..planner.units import synthetic_shape
+
+    s = (shape_of_model(what) if not isinstance(what, (int, float)) else
+         coerce_shape(shape) or synthetic_shape(int(what)))
+    b, t = args.batch_size or 1, args.seq_len or 128
+    d, h = (s.d_model, s.n_heads) if s else (1024, 8)
+    ffn = s.ffn_dim if s else 4 * d
+    cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, d // h))
+    bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.collective_bandwidth.items())
+    line = (f"calibrated {args.nproc} local ranks x {cal.threads} threads (wall clock, the "
+            f"machine's load included): {cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul "
+            f"per rank, attention at {100 * cal.attention_efficiency:.0f}% of it, memory "
+            f"{cal.memory_bandwidth / 1e9:.1f} GB/s, gloo {bw}, latency "
+            f"{cal.latency_s * 1e6:.0f} us")
+    return cal.device(), cal.interconnect(), line
+
+
 def main(argv: list[str]) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -201,23 +232,15 @@ def main(argv: list[str]) -> int:
     interconnect: object = args.interconnect
     header = []
     try:
-        if args.calibrate:
-            from ..planner.calibrate import calibrate
-
-            if not (args.params or args.model):  # `shardwise train`'s defaults
-                args.model, args.batch_size = "small", args.batch_size or 8
-            args.world_size = args.world_size or args.nproc
-            cal = calibrate(args.nproc)
-            device, interconnect = cal.device(), cal.interconnect()
-            bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.collective_bandwidth.items())
-            header.append(f"calibrated {args.nproc} local ranks x {cal.threads} threads: "
-                          f"{cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul per rank, memory "
-                          f"{cal.memory_bandwidth / 1e9:.1f} GB/s, gloo {bw}, latency "
-                          f"{cal.latency_s * 1e6:.0f} us")
+        if args.calibrate and not (args.params or args.model):  # `shardwise train`'s defaults
+            args.model, args.batch_size = "small", args.batch_size or 8
         if args.params is None and args.model is None:
             ap.error("give --params N or --model PRESET (or --calibrate)")
-        args.world_size = args.world_size or 8
+        args.world_size = args.world_size or (args.nproc if args.calibrate else 8)
         what, shape, label = _model_and_shape(args)
+        if args.calibrate:
+            device, interconnect, line = _calibrate(args, what, shape)
+            header.append(line)
         plans = _plan_all(args, what, shape, device, interconnect)
     except ValueError as e:
         print(f"shardwise plan: {e}", file=sys.stderr)

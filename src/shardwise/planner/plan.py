@@ -66,6 +66,7 @@ class TimeEstimate:
     compute_s: float  # matmuls at the device's achievable rate + elementwise traffic
     comm_s: float  # every collective back to back
     optimizer_s: float
+    offload_s: float  # CPU offload: PCIe copies of shards and gradients (optimizer: host)
     step_s_overlap: float  # communication on its own stream, engine order
     step_s_serial: float  # nothing overlaps
     step_s: float  # the prediction: overlap where the device overlaps
@@ -194,7 +195,9 @@ def plan(
         raise ValueError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module "
                          "(ideally on the meta device) or a positive parameter count")
 
-    per_node = ranks_per_node or (min(dev.ranks_per_node, world_size) if dev else world_size)
+    # A CPU "device" is this host: every rank on it, unless told otherwise.
+    per_node = ranks_per_node or (min(dev.ranks_per_node, world_size)
+                                  if dev and not dev.is_cpu else world_size)
     if not isinstance(per_node, int) or per_node < 1:
         raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
     S, R = _layout(strategy, world_size, per_node)
@@ -242,7 +245,8 @@ def plan(
 
     usable = fits = max_batch = None
     if dev is not None:
-        usable = dev.usable_bytes
+        # The ranks of a CPU "device" share the host's memory.
+        usable = dev.usable_bytes // (per_node if dev.is_cpu else 1)
         fits = total <= usable
         if seq_len and mu.shape is not None:
             max_batch = _largest_batch(lambda b: max(_p(peaks_for(b)[0])) <= usable)
@@ -255,8 +259,9 @@ def plan(
     if links is not None and batch_size and seq_len:
         link_names = f"{links.intra.name}" + (
             f" + {links.inter.name}" if world_size > per_node else "")
-        time = _time(costs, colls, links, dev, mu, acts, act_dtype, opt, states, batch_size,
-                     seq_len, activation_checkpointing, S, R, world_size)
+        time = _time(costs, colls, links, dev, mu, acts, act_dtype, opt, batch_size,
+                     seq_len, activation_checkpointing, S, R, world_size,
+                     host_offload, reshard)
     elif interconnect is not None:
         link_names = interconnect if isinstance(interconnect, str) else interconnect.name
 
@@ -310,8 +315,8 @@ def _links(dev: DeviceProfile, interconnect: str | InterconnectProfile | None, w
 
 def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DeviceProfile,
           mu: ModelUnits, acts: StepActivations | None, act_dtype: torch.dtype, opt: str,
-          states: Any, batch: int, seq_len: int, checkpointing: bool, S: int, R: int,
-          world: int) -> TimeEstimate:
+          batch: int, seq_len: int, checkpointing: bool, S: int, R: int, world: int,
+          host_offload: bool, reshard: bool) -> TimeEstimate:
     tokens = batch * seq_len
     dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(act_dtype, "fp32")
     if dname not in dev.peak_flops:
@@ -322,14 +327,16 @@ def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DevicePro
     work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, dev, dname,
                                               act_per_unit, checkpointing)
     state_bytes = sum(c.state_bytes for c in costs)
-    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev)
+    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev, on_host=host_offload)
+    offload_s = T.offload_seconds(costs, gathers=2 if reshard else 1) if host_offload else 0.0
     compute_s = sum(work.forward_s) + sum(work.backward_s)
     comm_s = sum(links.seconds(c) for c in colls)
-    overlap = T.overlapped_step(work, colls, links, optimizer_s, sync_all_reduce=S > 1 and R > 1)
-    serial = T.serial_step(work, colls, links, optimizer_s)
+    fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
+    overlap = T.overlapped_step(work, colls, links, fixed, sync_all_reduce=S > 1 and R > 1)
+    serial = T.serial_step(work, colls, links, fixed)
     step = overlap if dev.overlap else serial
     mfu = model_flops / (step * dev.peak_flops[dname])
-    exposed = step - compute_s - optimizer_s
+    exposed = step - compute_s - fixed
     slow = links.inter if any(c.inter_node for c in colls) else links.intra
     # The interconnect bounds the step when it would set the pace even with perfect overlap,
     # or when a fifth of the step is spent waiting on it.
@@ -347,7 +354,8 @@ def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DevicePro
                    + f" compute ({compute_s:.3g} s).")
     return TimeEstimate(
         tokens_per_rank=tokens, model_flops=model_flops, hardware_flops=hw_flops,
-        compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, step_s_overlap=overlap,
+        compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, offload_s=offload_s,
+        step_s_overlap=overlap,
         step_s_serial=serial, step_s=step, mfu=mfu, tokens_per_s=tokens * world / step,
         bound=bound, verdict=verdict)
 

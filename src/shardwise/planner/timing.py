@@ -239,5 +239,22 @@ def serial_step(work: UnitWork, colls: list[Collective], links: Links,
             + sum(links.seconds(c) for c in colls) + optimizer_s)
 
 
-def optimizer_seconds(optimizer: str, state_bytes: int, device: DeviceProfile) -> float:
-    return OPTIMIZER_PASSES[optimizer] * state_bytes / device.memory_bandwidth
+# CPU offload. The optimizer then steps in host memory: a server streams ~150-300 GB/s
+# shared by its 8 ranks, and torch's per-parameter CPU Adam reaches a fraction of that.
+HOST_OPTIMIZER_BANDWIDTH = 20e9  # bytes/s per rank
+# Shards go host -> device for every all-gather, gradients device -> host after each
+# reduction, over PCIe 4.0 x16 (~25 GB/s per direction in practice).
+PCIE_BANDWIDTH = 25e9
+
+
+def optimizer_seconds(optimizer: str, state_bytes: int, device: DeviceProfile,
+                      on_host: bool = False) -> float:
+    bw = HOST_OPTIMIZER_BANDWIDTH if on_host and not device.is_cpu else device.memory_bandwidth
+    return OPTIMIZER_PASSES[optimizer] * state_bytes / bw
+
+
+def offload_seconds(costs: list[UnitCost], gathers: int) -> float:
+    """PCIe copies under CPU offload: each gather copies the shards up, each reduction
+    copies the gradient shard down."""
+    moved = sum(gathers * c.shard_bytes + c.grad_bytes for c in costs)
+    return moved / PCIE_BANDWIDTH
