@@ -4,8 +4,6 @@ so this is the materialize step's promise as the trainer uses it."""
 
 from __future__ import annotations
 
-import pytest
-
 from shardwise.testing import run_distributed
 
 
@@ -25,10 +23,6 @@ def _weights(rank: int, world: int, strategies: list[str]) -> dict[str, dict[str
     return out
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "engine: sw.materialize seeds every rank with seed + global rank, so replicas of the "
-    "same shard are initialized differently under NO_SHARD / HYBRID_SHARD "
-    "(engine/materialize.py); reported to the engine owner"))
 def test_replicas_start_identical() -> None:
     # LOCAL_WORLD_SIZE=1: HYBRID_SHARD over 2 ranks = 2 "nodes" of 1, i.e. 2 replicas.
     strategies = ["NO_SHARD", "HYBRID_SHARD"]

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import collectives as C
 from .fully_shard import sharded_params, units_of
 
 
@@ -22,8 +21,8 @@ def materialize(
 
     Each module's `reset_parameters()` (or `init_fn(module)` when given) runs on the module
     while it holds only its shards, so no rank ever holds the whole model. Dim-0 sharding
-    leaves fan-in (dim 1) intact, so standard initializers keep their scale. Each rank draws
-    from its own random stream (seed + rank) so that shards are independent draws.
+    leaves fan-in (dim 1) intact, so standard initializers keep their scale. Each shard rank
+    draws from its own random stream (seed + shard rank); replicas share it.
     Buffers on the meta device are allocated (uninitialized) unless an initializer fills them.
     """
     units = units_of(model)
@@ -42,7 +41,9 @@ def materialize(
                     torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
     base = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-        torch.manual_seed(base + C.rank())
+        # Seeded by shard rank: shards are independent draws, while replicas of the same
+        # shard (NO_SHARD, HYBRID_SHARD) draw the same values and start as one model.
+        torch.manual_seed(base + units[0].mesh.shard_rank)
         with warnings.catch_warnings():
             # A rank whose shard of a small parameter is empty initializes zero elements.
             warnings.filterwarnings("ignore", message=".*zero-element tensors.*")

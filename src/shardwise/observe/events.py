@@ -27,7 +27,8 @@ class Event:
     unit: the unit's name (module FQN, "" for the root), or "" for whole-step events.
     phase: one of PHASES.
     collective: one of COLLECTIVES ("" for compute intervals).
-    bytes: bytes this rank sent into the collective's output (0 for compute).
+    bytes: size of the collective's full buffer on this rank: the all-gather output, the
+        reduce-scatter input, the all-reduce tensor (0 for compute).
     start, end: `time.perf_counter()` seconds on this rank.
     step: the training step the event belongs to (-1 when unknown).
     """

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from ..checkpoint.atomic import is_complete
+from ..checkpoint.atomic import remove as remove_checkpoint
 from .config import Config
 from .options import dumps_toml
 
@@ -47,7 +48,8 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints; return what was deleted."""
     old = [p for _, p in checkpoints(run_dir)[:-keep]] if keep > 0 else []
     for p in old:
-        shutil.rmtree(p, ignore_errors=True)
+        # Manifest first: a crash midway must not leave a folder that looks complete.
+        remove_checkpoint(str(p))
     return old
 
 
