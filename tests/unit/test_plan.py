@@ -112,8 +112,6 @@ def test_flops_match_the_model_and_comm_volumes() -> None:
     assert p.time.model_flops == pytest.approx(cfg.flops_per_token() * B * cfg.block_size)
     # Ring volumes: all-gather in bf16 forward (every unit) and backward (all but the
     # root, which stays unsharded); reduce-scatter of fp32 gradients.
-    from shardwise.planner.plan import _layout  # noqa: F401 - layout is the engine's
-
     n = cfg.num_params()
     root = (cfg.vocab_size + cfg.block_size + 1) * cfg.d_model
     pad = p.per_rank.params_bytes * S / 4 - n  # padding rows, all ranks together

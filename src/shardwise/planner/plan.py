@@ -231,6 +231,8 @@ def plan(
     peaks, acts = peaks_for(batch_size)
     if acts is None and batch_size and seq_len:
         notes.append("activations unknown: the model carries no transformer shape; pass shape=")
+    elif acts is None:
+        notes.append("no batch_size and seq_len: activations (and time) are left out")
     total = max(peaks.forward, peaks.backward, peaks.step)
     per_rank = PerRank(
         params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
