@@ -40,3 +40,11 @@ def test_each_rank_holds_about_one_nth(world: int) -> None:
         assert r["local"] <= total / world * 1.25, r
         # AdamW: exp_avg + exp_avg_sq per trainable shard; gradients only for those.
         assert r["state"] == 2 * r["trainable"] and r["grads"] == r["trainable"], r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_native_collectives_agree(world: int) -> None:
+    # The same grid over gloo's own all_gather/reduce_scatter instead of all-to-all.
+    results = run_distributed(grid, world, ["lm"], ["FULL_SHARD", "SHARD_GRAD_OP"],
+                              ["transformer"], env={"SHARDWISE_GLOO_NATIVE": "1"})
+    assert max(max(r.values()) for r in results) < 1e-5

@@ -85,6 +85,7 @@ class PendingReduce:
     out: torch.Tensor
     work: C.Work
     start: float
+    scratch: torch.Tensor | None = None  # all-to-all receive buffer, pooled
 
 
 class Unit:
@@ -159,14 +160,19 @@ class Unit:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            send = self.pool.get(g.numel, g.dtype, self.mesh.device)
+            # The all-to-all transport sends the shard to every peer: an (S, n) send buffer
+            # whose first row is filled here (see collectives [Note: gloo transport]).
+            a2a = C.use_all_to_all(self.mesh.shard_group)
+            send = self.pool.get(g.numel * (S if a2a else 1), g.dtype, self.mesh.device)
+            shard = send[: g.numel]
             with torch.no_grad():
                 for p, off in zip(g.params, g.offsets):
                     # Casts to the compute dtype and, under offload, copies host -> device.
-                    send[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
-                                                          non_blocking=True)
+                    shard[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
+                                                           non_blocking=True)
             out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-            work = C.all_gather(out, send, self.mesh.shard_group, async_op)
+            work = C.all_gather(out, shard, self.mesh.shard_group, async_op,
+                                scratch=send if a2a else None)
             self._gathers.append(_PendingGather(g, send, out, work, start))
         self.state = ShardedState.GATHERING
 
@@ -260,8 +266,11 @@ class Unit:
                         p.unsharded.grad = None  # free the full gradient right away
                 if S > 1:
                     out = torch.empty(g.grad_numel, dtype=dtype, device=mesh.device)
-                    work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True)
-                    pending.append(PendingReduce(self, g, send, out, work, start))
+                    scratch = (self.pool.get(g.grad_numel * S, dtype, mesh.device)
+                               if C.use_all_to_all(mesh.shard_group) else None)
+                    work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True,
+                                                scratch=scratch)
+                    pending.append(PendingReduce(self, g, send, out, work, start, scratch))
                 else:
                     work = C.all_reduce(send, mesh.replicate_group, async_op=True) \
                         if mesh.replicate_size > 1 else C.Work(None, send)
@@ -276,6 +285,8 @@ class Unit:
         if pr.send is not None:
             self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start)
             self.pool.release(pr.send)
+            if pr.scratch is not None:
+                self.pool.release(pr.scratch)
             if mesh.replicate_size > 1:
                 start = now()
                 C.all_reduce(out, mesh.replicate_group)
