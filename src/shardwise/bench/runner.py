@@ -3,7 +3,9 @@
 Machines are noisy, so systems are measured in rounds: each round runs every system once
 (in a rotated order) for a few timed steps, and the report takes each system's median step
 time over all rounds. Peak RSS is reset before each system (Linux `clear_refs` 5) so each
-system's high-water mark is its own.
+system's high-water mark is its own... within one process that mark still includes what
+earlier systems left in the allocator, so peak memory is measured separately: each system
+in fresh processes (`memory_worker`), after the same imports and process-group start.
 """
 
 from __future__ import annotations
@@ -132,3 +134,15 @@ def bench_worker(bc: BenchConfig) -> dict:
     for out in results.values():
         out["median_s"] = statistics.median(out["times"])
     return {"rank": rank, "world": world, "pid": os.getpid(), "results": results}
+
+
+def memory_worker(bc: BenchConfig, name: str) -> dict:
+    """One system in fresh processes: peak RSS and its growth over the started process."""
+    import shardwise as sw
+
+    torch.set_num_threads(bc.threads)
+    rank, world, _ = sw.init_distributed()
+    res = _one_system(name, BenchConfig(bc.preset, bc.batch_size, bc.seq_len, 1, 2,
+                                        (name,), bc.threads), rank, seed=0)
+    return {"rank": rank, "peak_rss": res["peak_rss"], "rss_growth": res["rss_growth"],
+            "model_state_bytes": res["model_state_bytes"]}

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.bench.runner import BenchConfig, bench_worker
+from shardwise.bench.runner import BenchConfig, bench_worker, memory_worker
 from shardwise.bench.systems import REFERENCE, SYSTEMS
 
 MB = 2**20
@@ -49,13 +49,14 @@ def print_table(summary: dict) -> None:
     print(f"\n{params / 1e6:.1f}M parameters, {summary['world_size']} ranks, batch "
           f"{cfg['batch_size']} x {cfg['seq_len']} per rank, {cfg['rounds']} rounds x "
           f"{cfg['steps']} steps")
-    head = (f"{'system':<26}{'step ms':>9}{'tok/s':>9}{'peak RSS MB':>13}{'state MB':>10}"
-            f"{'time / sw':>11}{'RSS / sw':>10}")
+    head = (f"{'system':<26}{'step ms':>9}{'tok/s':>9}{'peak RSS MB':>13}{'growth MB':>11}"
+            f"{'state MB':>10}{'time / sw':>11}{'RSS / sw':>10}")
     print(head)
     print("-" * len(head))
     for name, r in rows.items():
         print(f"{name:<26}{1e3 * r['median_step_s']:>9.1f}{r['tokens_per_s']:>9.0f}"
-              f"{r['peak_rss_bytes'] / MB:>13.0f}{r['model_state_bytes_per_rank'] / MB:>10.1f}"
+              f"{r['peak_rss_bytes'] / MB:>13.0f}{r['rss_growth_bytes'] / MB:>11.0f}"
+              f"{r['model_state_bytes_per_rank'] / MB:>10.1f}"
               f"{r.get('step_time_vs_shardwise', float('nan')):>11.2f}"
               f"{r.get('peak_rss_vs_shardwise', float('nan')):>10.2f}")
 
@@ -75,6 +76,8 @@ def main(argv: list[str]) -> int:
                     help=f"comma-separated subset of: {', '.join(SYSTEMS)}")
     ap.add_argument("--scaling", action="store_true",
                     help="shardwise FULL_SHARD at world sizes 1, 2 and 4 instead")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the per-system fresh-process peak-memory pass")
     ap.add_argument("--json", type=Path, default=None, help="write results to this file")
     args = ap.parse_args(argv)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
@@ -109,6 +112,18 @@ def main(argv: list[str]) -> int:
         print(f"benchmarking {len(systems)} systems on {args.nproc} ranks ...",
               file=sys.stderr, flush=True)
         out = summarize(launch(bench_worker, args.nproc, bc), bc)
+        if not args.no_memory:
+            print("measuring peak memory, each system in fresh processes ...", file=sys.stderr,
+                  flush=True)
+            for name in systems:
+                mem = launch(memory_worker, args.nproc, bc, name)
+                row = out["systems"][name]
+                row["peak_rss_bytes"] = max(m["peak_rss"] for m in mem)
+                row["rss_growth_bytes"] = max(m["rss_growth"] for m in mem)
+            ref = out["systems"].get(REFERENCE)
+            for row in out["systems"].values():
+                if ref:
+                    row["peak_rss_vs_shardwise"] = row["peak_rss_bytes"] / ref["peak_rss_bytes"]
         print_table(out)
     out["command"] = "shardwise bench " + " ".join(argv)
     out["wall_s"] = round(time.time() - started, 1)
