@@ -68,6 +68,8 @@ class ConsoleReporter:
         print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
               f", cpu_offload={s.cpu_offload}; each rank holds {info['local_params']:,} of "
               f"{info['params']:,} parameters")
+        if "precision_plan" in info:
+            print(f"  {info['precision_plan']}")
         data = cfg.data.path or "the Python standard library's .py sources"
         print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
               f"{info['tokens_per_step']:,} tokens per step")

@@ -237,7 +237,8 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                "params": n_params, "local_params": local_params, "start_step": start,
                "steps": t.steps, "tokens_per_step": tokens_per_step, "config": cfg,
                "train_bytes": len(parts.train), "val_bytes": len(parts.val),
-               "threads": torch.get_num_threads()})
+               "threads": torch.get_num_threads(),
+               "precision_plan": sw.precision_plan(model)})
 
     # Count bytes over a few steps even when no event file is written, then stop paying.
     events = _EventLog(model, run_dir / f"events-rank{rank}.jsonl", cfg.log.event_steps != 0)
