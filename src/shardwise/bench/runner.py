@@ -53,20 +53,21 @@ def make_config(preset: str, seq_len: int):
     return get_preset(preset, block_size=max(cfg.block_size, seq_len))
 
 
-def _rss_peak() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmHWM: peak RSS, VmRSS: current) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss_peak() -> int:
+    return _status_bytes("VmHWM")
 
 
 def _rss_now() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes("VmRSS")
 
 
 def _reset_peak() -> None:

@@ -254,6 +254,8 @@ class Unit:
             for g in self.groups:
                 if not g.grad_params:
                     continue
+                if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
+                    continue  # one rank, no casts: the gradients already are the result
                 start = now()
                 dtype = rdt[g.dtype]
                 # With S == 1 the packed buffer becomes the gradients: not pooled.
@@ -294,7 +296,8 @@ class Unit:
         elif mesh.replicate_size > 1:
             self._emit("all_reduce", "all_reduce", nbytes, pr.start)
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
-        out.div_(mesh.dp_size)
+        if mesh.dp_size > 1:
+            out.div_(mesh.dp_size)
         with torch.no_grad():
             for p, off in zip(pr.group.grad_params, pr.group.grad_offsets):
                 n = p.local_rows * p.row_numel
