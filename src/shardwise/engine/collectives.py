@@ -155,7 +155,12 @@ def reduce_scatter_sum(
     handle = dist.all_to_all_single(recv, full, group=group, async_op=async_op)
 
     def local_sum() -> None:
-        torch.sum(recv.view(S, -1), dim=0, out=output)
+        # Elementwise adds in rank order: torch.sum over dim 0 of an (S, n) view measured 8x
+        # slower on CPU (1.93 ms vs 0.24 ms for S=2, n=1.6M).
+        parts = recv.view(S, -1)
+        torch.add(parts[0], parts[1], out=output) if S > 1 else output.copy_(parts[0])
+        for r in range(2, S):
+            output.add_(parts[r])
 
     if not async_op:
         local_sum()
