@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -76,8 +77,6 @@ def run_distributed(
     for p in procs:
         p.start()
     got: dict[int, tuple[str, Any]] = {}
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < world_size:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 import torch
@@ -250,10 +249,6 @@ def sharded_params(model: nn.Module) -> list[ShardedParam]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
