@@ -241,9 +241,11 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         unit.reshard()
     if torch.is_grad_enabled():
         leaves, _ = tree_flatten(output)
+        hook = None
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(_make_pre_backward(ctx, unit))
+                hook = hook or _make_pre_backward(ctx, unit)  # one closure per call, not per output
+                t.register_hook(hook)
     if unit.is_root:
         mp = unit.mp
         if mp is not None and mp.output_dtype is not None:

@@ -135,11 +135,9 @@ class Unit:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.groups = [CommGroup(dtype, ps) for dtype, ps in by_dtype.items()]
         self.n_grad_params = sum(len(g.grad_params) for g in self.groups)
-
-    @property
-    def reduce_dtype_for(self) -> dict[torch.dtype, torch.dtype]:
         rd = self.mp.reduce_dtype if self.mp else None
-        return {g.dtype: (rd or g.dtype) for g in self.groups}
+        # Communication dtype -> gradient reduction dtype, fixed by the layout.
+        self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.groups}
 
     def _emit(self, phase: str, collective: str, nbytes: int, start: float) -> None:
         ctx = self.ctx
