@@ -42,5 +42,18 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, fn)(*args)
+    results = elastic_launch(config, _run_then_finish)(fn, *args)
     return [results[r] for r in sorted(results)]
+
+
+def _run_then_finish(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, then the clean teardown of the process group `fn` set up (if any).
+
+    See [Note: gloo teardown] in shardwise.engine.collectives: a worker process that exits
+    straight after its last collective can abort.
+    """
+    value = fn(*args)
+    from .engine import collectives
+
+    collectives.finish()
+    return value

@@ -164,6 +164,7 @@ def _under_torchrun(argv: list[str]) -> int:
     import torch.distributed as dist
 
     import shardwise as sw
+    from shardwise.engine import collectives
 
     rank, _, _ = sw.init_distributed()
     box: list[Any] = [None]
@@ -179,5 +180,5 @@ def _under_torchrun(argv: list[str]) -> int:
         dist.destroy_process_group()
         return 2
     worker(box[0])
-    dist.destroy_process_group()
+    collectives.finish()
     return 0

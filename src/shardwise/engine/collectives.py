@@ -85,6 +85,23 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def finish() -> None:
+    """End a run that went well: every rank waits for the others, then tears down.
+
+    [Note: gloo teardown] A gloo worker thread drops its reference to a finished collective
+    after the caller has already been woken. When that reference is the last one to a tensor
+    Python also knew, the drop needs the GIL; if the main thread is by then finalizing the
+    interpreter, the worker thread is exited mid-destructor and the process aborts
+    ("terminate called without an active exception", seen on CI in a 2-node run).
+    The barrier blocks with the GIL released for a network round trip, long enough for those
+    drops, and no rank tears down while a peer is still in a collective.
+    """
+    if not is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def new_groups_2d(replicate: int, shard: int) -> tuple[ProcessGroup, ProcessGroup]:
     """(shard group, replicate group) holding this rank in a replicate x shard layout.
 

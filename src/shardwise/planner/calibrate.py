@@ -239,9 +239,12 @@ def _worker(matmul: tuple[int, int, int], attention: tuple[int, int, int, int],
     torch.set_num_threads(max(1, cores // local))  # as `shardwise train` does
     init_distributed("gloo")
     try:
-        return calibrate_in_group(matmul, attention, repeats).to_dict()
-    finally:
+        result = calibrate_in_group(matmul, attention, repeats).to_dict()
+    except BaseException:
         C.destroy_process_group()
+        raise
+    C.finish()
+    return result
 
 
 def calibrate(nproc: int = 2, matmul: tuple[int, int, int] = (1024, 1024, 1024),
