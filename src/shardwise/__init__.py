@@ -6,6 +6,7 @@ from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
+from .engine.debug import CollectiveError, CollectiveMismatchError, set_debug
 from .engine.distributed import init_distributed, no_sync
 from .engine.fully_shard import ShardedModule, fully_shard, shard_model
 from .engine.grad_norm import clip_grad_norm_
@@ -18,6 +19,8 @@ from .engine.policies import (
     size_policy,
     transformer_policy,
 )
+from .observe.overlap import OverlapReport
+from .observe.trace import Trace, trace
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -25,11 +28,15 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "CheckpointError",
+    "CollectiveError",
+    "CollectiveMismatchError",
     "MixedPrecisionPolicy",
+    "OverlapReport",
     "Plan",
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "Trace",
     "clip_grad_norm_",
     "export_safetensors",
     "full_state_dict",
@@ -42,7 +49,9 @@ __all__ = [
     "plan",
     "precision_plan",
     "save_checkpoint",
+    "set_debug",
     "shard_model",
     "size_policy",
+    "trace",
     "transformer_policy",
 ]

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"shardwise: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        print(f"shardwise: error: unknown command {name!r}; choose one of: "
+              f"{', '.join(COMMANDS)} (see `shardwise --help`)", file=sys.stderr)
         return 2
     module = importlib.import_module(f"shardwise.commands.{name}")
     return int(module.main(rest) or 0)

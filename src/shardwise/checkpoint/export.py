@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..engine import collectives as C
+from ..engine.checks import check_module, check_path
 from . import atomic
 from .manifest import CheckpointError, model_name, read_manifest
 from .reader import RowReader, check_size, verify_file
@@ -166,7 +167,11 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     names: list[str] = []
     try:
         _check_limit(max_shard_bytes)
-        out = os.path.abspath(os.fspath(path))
+        out = os.path.abspath(check_path("path", path))
+        check_module("model", model)
+        if os.path.exists(out) and not os.path.isdir(out) and not out.endswith(".safetensors"):
+            raise ValueError(f"path={os.fspath(path)!r} is not allowed: it is a file; give a "
+                             "folder or a file name ending in .safetensors")
         view = model_view(model)
         entries = []
         for e in view.entries:

@@ -40,6 +40,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded: missing, damaged, or not this model's."""
 
 
+class CheckpointNotFoundError(CheckpointError, ValueError):
+    """No checkpoint at the path given: a bad argument (ValueError) and a CheckpointError."""
+
+
 def rank_file(global_rank: int) -> str:
     return f"rank{global_rank:05d}.safetensors"
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..engine import collectives as C
+from ..engine.checks import check_bool, check_module
 from ..engine.sharded_param import ShardedParam
 from .sync import agree
 
@@ -37,6 +38,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     Every rank must call it (it all-gathers one tensor at a time). With `rank0_only`, ranks
     other than 0 get an empty dict and hold no full tensors beyond the one in flight.
     """
+    check_module("model", model)
+    check_bool("rank0_only", rank0_only)
     keep = not rank0_only or C.rank() == 0
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
@@ -56,6 +59,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
 
 def _check(model_sd: Mapping[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
            strict: bool) -> str | None:
+    if not isinstance(sd, Mapping):
+        return (f"sd={type(sd).__name__} is not allowed: must be a mapping of key -> "
+                "torch.Tensor (a state dict)")
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        return (f"sd[{bad[0]!r}]={type(sd[bad[0]]).__name__} is not allowed: state dict "
+                "values must be torch.Tensor")
     missing = [k for k in model_sd if k not in sd]
     unexpected = [k for k in sd if k not in model_sd]
     if strict and (missing or unexpected):
@@ -84,6 +94,9 @@ def load_full_state_dict(
     `from_rank0`, only rank 0 needs `sd`; tensors are broadcast one at a time. The state dict
     is checked (keys, shapes) before any tensor moves, and a failure raises on every rank.
     """
+    check_module("model", model)
+    check_bool("from_rank0", from_rank0)
+    check_bool("strict", strict)
     model_sd = model.state_dict(keep_vars=True)
     checker = not from_rank0 or C.rank() == 0
     err = None

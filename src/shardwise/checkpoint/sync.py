@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..engine import collectives as C
-from .manifest import CheckpointError
+from .manifest import CheckpointError, CheckpointNotFoundError
 
-_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError,
+                                      "CheckpointNotFoundError": CheckpointNotFoundError}
 
 
 def agree(err: BaseException | None) -> None:

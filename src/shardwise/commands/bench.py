@@ -15,6 +15,9 @@ from pathlib import Path
 
 from shardwise.bench.runner import BenchConfig, bench_worker, memory_worker
 from shardwise.bench.systems import REFERENCE, SYSTEMS
+from shardwise.train.model import PRESETS
+
+from ._args import Parser, at_least
 
 MB = 2**20
 
@@ -62,7 +65,7 @@ def print_table(summary: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
+    ap = Parser(prog="shardwise bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench30m",
                     help="model: 'bench30m' (~30M-param GPT) or a train preset (tiny, small...)")
@@ -82,11 +85,16 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        ap.error(f"unknown systems {unknown}; allowed: {', '.join(SYSTEMS)}")
+    if unknown or not systems:
+        ap.error(f"--systems={args.systems!r} is not allowed: give a comma-separated subset "
+                 f"of: {', '.join(SYSTEMS)}")
     for flag in ("batch_size", "seq_len", "nproc", "rounds", "steps", "threads"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+        at_least(ap, flag.replace("_", "-"), getattr(args, flag), 1)
+    if args.preset != "bench30m" and args.preset not in PRESETS:
+        ap.error(f"--preset={args.preset!r} is not allowed: use bench30m or one of "
+                 f"{', '.join(PRESETS)}")
+    if args.json is not None and not args.json.expanduser().absolute().parent.is_dir():
+        ap.error(f"--json={str(args.json)!r} is not allowed: its folder does not exist")
     from shardwise.launch import launch
 
     started = time.time()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from torch import nn
+
+from ._args import Parser, at_least
 
 STEPS = 5
 
@@ -47,12 +47,12 @@ def worker(steps: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="shardwise demo", description=__doc__)
+    ap = Parser(prog="shardwise demo", description=__doc__)
     ap.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps (default 5)")
     args = ap.parse_args(argv)
-    if args.nproc < 1 or args.steps < 1:
-        ap.error(f"--nproc={args.nproc} and --steps={args.steps} must be >= 1")
+    at_least(ap, "nproc", args.nproc, 1)
+    at_least(ap, "steps", args.steps, 1)
     from shardwise.launch import launch
 
     results = launch(worker, args.nproc, args.steps)

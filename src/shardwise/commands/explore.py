@@ -6,16 +6,17 @@ import argparse
 import asyncio
 import logging
 import socket
-import sys
 import threading
 import webbrowser
 from types import FrameType
 
 import uvicorn
 
+from ._args import Parser, at_least, finite, report
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="shardwise explore",
         description="Watch FSDP shard, gather, reduce and learn, live in the browser: a real "
                     "sharded run of a 676-parameter MLP on 1-4 local gloo ranks.")
@@ -33,29 +34,51 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def exposure_warning(host: str) -> str | None:
+    """What to tell the user when `--host` makes the page reachable from other machines."""
+    from shardwise.explorer.server import is_loopback
+
+    if is_loopback(host):
+        return None
+    return (f"--host={host!r} serves the explorer beyond this machine: anyone who can reach "
+            "this address can watch the run and press its buttons (there is no login); "
+            "omit --host to serve 127.0.0.1 only")
+
+
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    from shardwise.explorer.server import LOOPBACK_NAMES, create_app
+    ap = _parser()
+    args = ap.parse_args(argv)
+    at_least(ap, "port", args.port, 0)
+    if args.port > 65535:
+        ap.error(f"--port={args.port} is not allowed: must be in [0, 65535]")
+    finite(ap, "step-interval", args.step_interval, 0.0)
+    if args.replay is None and not 1 <= args.world_size <= 4:
+        ap.error(f"--world-size={args.world_size} is not allowed: must be in [1, 4]")
+    try:  # before anything starts: a host that cannot be bound is a bad option
+        socket.getaddrinfo(args.host, None)
+    except (OSError, UnicodeError) as exc:
+        ap.error(f"--host={args.host!r} is not allowed: not an address of this machine ({exc})")
+    from shardwise.explorer.server import create_app, is_loopback
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warning = exposure_warning(args.host)
+    if warning is not None:
+        logging.getLogger("shardwise.explore").warning("%s", warning)
     try:
         if args.replay:
             from shardwise.explorer.replay import load_run
 
             app = create_app(replay=load_run(args.replay),
-                             loopback_only=args.host in LOOPBACK_NAMES)
+                             loopback_only=is_loopback(args.host))
         else:
             from shardwise.explorer.session import Session
             from shardwise.explorer.workers import RunConfig
 
-            if args.step_interval < 0:
-                raise ValueError(f"--step-interval={args.step_interval} must be >= 0")
             session = Session(RunConfig(world_size=args.world_size), seed=args.seed,
                               step_interval_s=args.step_interval)
-            app = create_app(session=session, loopback_only=args.host in LOOPBACK_NAMES)
+            app = create_app(session=session, loopback_only=is_loopback(args.host))
     except ValueError as exc:
-        print(f"shardwise explore: {exc}", file=sys.stderr)
-        return 2
+        return report("shardwise explore", exc)
 
     # Bind first, so the printed URL names the real port (also with --port 0) and a
     # browser that connects before uvicorn starts waits in the listen backlog.
@@ -65,8 +88,8 @@ def main(argv: list[str]) -> int:
     try:
         sock.bind((args.host, args.port))
     except OSError as exc:
-        print(f"shardwise explore: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+        return report("shardwise explore",
+                      f"--host={args.host!r} --port={args.port}: cannot bind: {exc}")
     sock.listen(64)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host

@@ -7,9 +7,12 @@ Runs in one process without a process group; memory stays bounded by the largest
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
+
+from ._args import Parser
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -40,7 +43,7 @@ def _human(n: int) -> str:
 def main(argv: list[str]) -> int:
     from shardwise.checkpoint.export import DEFAULT_MAX_SHARD_BYTES, ExportProgress
 
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="shardwise export", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint directory written by sw.save_checkpoint")
@@ -51,6 +54,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking each checkpoint file's SHA-256 first")
     args = ap.parse_args(argv)
+    if not os.path.isdir(args.checkpoint):
+        ap.error(f"checkpoint={args.checkpoint!r} is not allowed: no such directory (give a "
+                 "checkpoint folder written by sw.save_checkpoint)")
+    if not args.out or (os.path.exists(args.out) and not os.path.isdir(args.out)):
+        ap.error(f"out={args.out!r} is not allowed: give an output folder")
 
     from shardwise.checkpoint.export import export_checkpoint
     from shardwise.checkpoint.manifest import CheckpointError

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from ._args import Parser, at_least, finite, report
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -22,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     from ..planner.memory import OPTIMIZERS
     from ..planner.profiles import DEVICES, INTERCONNECTS
 
-    ap = argparse.ArgumentParser(prog="shardwise plan", description=__doc__,
+    ap = Parser(prog="shardwise plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9")
@@ -99,7 +100,8 @@ def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str
         if missing:
             raise ValueError(f"a shape needs --layers, --hidden and --heads; missing {missing}")
         shape = {"n_layers": given["layers"], "d_model": given["hidden"],
-                 "n_heads": given["heads"], "vocab_size": given["vocab"] or 32000}
+                 "n_heads": given["heads"],
+                 "vocab_size": 32000 if given["vocab"] is None else given["vocab"]}
     return args.params, shape, f"{_count(args.params)} parameters"
 
 
@@ -228,6 +230,11 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.strategy not in STRATEGIES:
         ap.error(f"--strategy={args.strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    finite(ap, "params", args.params, 1.0)
+    # 0 must not quietly mean "the default": only an absent option does.
+    for flag in ("world_size", "ranks_per_node", "batch_size", "seq_len", "nproc", "layers",
+                 "hidden", "heads", "vocab"):
+        at_least(ap, flag.replace("_", "-"), getattr(args, flag), 1)
     device: object = args.device
     interconnect: object = args.interconnect
     header = []
@@ -243,8 +250,7 @@ def main(argv: list[str]) -> int:
             header.append(line)
         plans = _plan_all(args, what, shape, device, interconnect)
     except ValueError as e:
-        print(f"shardwise plan: {e}", file=sys.stderr)
-        return 2
+        return report("shardwise plan", e)
     chosen = plans[args.strategy]
     if args.json:
         print(json.dumps(chosen.to_dict(), indent=2))

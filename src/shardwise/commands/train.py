@@ -30,7 +30,8 @@ def load_config(argv: list[str]) -> C.Config:
         saved_path = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
         saved = O.read_toml(saved_path) if saved_path.exists() else {}
         # Actions and placement belong to this invocation, not to the saved run.
-        for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads"):
+        for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads", "trace",
+                  "max_restarts"):
             saved.pop(k, None)
         cfg = O.build({**saved, **merged, "name": cfg.name})
     return cfg
@@ -93,6 +94,9 @@ class ConsoleReporter:
             self.bar.update(1)
         elif record["step"] % self.plain_every == 0:
             print(f"step {record['step']:>5} | {line}", flush=True)
+        if record.get("nonfinite"):
+            tqdm.write(f"step {record['step']:>5}: non-finite loss or grad norm; step skipped "
+                       f"({record['nonfinite_skipped']} so far)", file=sys.stdout)
 
     def eval(self, step: int, val_loss: float) -> None:
         tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)
@@ -120,16 +124,40 @@ class ConsoleReporter:
         print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
               f"per step per rank (rank 0: {parts or 'none'}; from the engine's events)")
         print(f"  run folder       {s['run_dir']}")
+        if s.get("nonfinite_skipped"):
+            print(f"  skipped steps    {s['nonfinite_skipped']} (non-finite loss or grad norm)")
+        if s.get("trace"):
+            _print_trace(s["trace"])
         if s["sample"]:
             print("\nsample:\n" + s["sample"].rstrip() + "\n")
+
+
+def _print_trace(tr: dict[str, Any]) -> None:
+    from ..observe.overlap import OverlapReport
+
+    report = OverlapReport.from_dict(tr["report"])
+    print("\noverlap (mean over ranks; exposed = time blocked waiting for communication):")
+    print("  " + report.table().replace("\n", "\n  "))
+    print(f"  trace: {tr['merged']} (open in https://ui.perfetto.dev); per rank and "
+          f"overlap.json in {tr['dir']}")
 
 
 def worker(cfg: C.Config) -> dict[str, Any]:
     """One rank's whole job (module-level: the launcher pickles it)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..train.guard import EXIT_NONFINITE, NonFiniteError
     from ..train.trainer import run
 
-    return run(cfg, ConsoleReporter())
+    try:
+        return run(cfg, ConsoleReporter())
+    except NonFiniteError as e:
+        # Raised on every rank alike: a clean end with an exit status, not a traceback per
+        # rank (and, with --nproc, not a restart that would only diverge again).
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print(f"shardwise train: error: {e}", file=sys.stderr, flush=True)
+        return {"error": str(e), "exit_code": EXIT_NONFINITE}
 
 
 def default_nproc() -> int:
@@ -151,8 +179,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"shardwise train: error: {e}", file=sys.stderr)
         return 2
-    launch(worker, cfg.nproc or default_nproc(), cfg)
-    return 0
+    results = launch(worker, cfg.nproc or default_nproc(), cfg, max_restarts=cfg.max_restarts)
+    return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 
 def _under_torchrun(argv: list[str]) -> int:
@@ -179,6 +207,6 @@ def _under_torchrun(argv: list[str]) -> int:
             print(f"shardwise train: error: {box[0]}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    worker(box[0])
+    result = worker(box[0])
     collectives.finish()
-    return 0
+    return int(result.get("exit_code", 0))

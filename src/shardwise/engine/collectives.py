@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from . import debug as D
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,18 +29,83 @@ class Work(NamedTuple):
 
     `post`, when set, finishes the result locally once the transfer is done (the local sum
     of an all-to-all reduce-scatter); `wait()` runs it exactly where the caller waits.
+    `issued` says what it was, so that a failed wait names the collective and unit.
     """
 
     handle: object | None
     output: torch.Tensor
     post: Callable[[], None] | None = None
+    issued: _Issued | None = None
 
     def wait(self) -> torch.Tensor:
         if self.handle is not None:
-            self.handle.wait()  # type: ignore[attr-defined]
+            try:
+                self.handle.wait()  # type: ignore[attr-defined]
+            except Exception as e:
+                if self.issued is None or not D.is_comm_failure(e):
+                    raise
+                raise self.issued.failure(e) from e
         if self.post is not None:
             self.post()
         return self.output
+
+
+class _Issued(NamedTuple):
+    """What a collective was, kept only to explain its failure (see engine/debug.py)."""
+
+    op: str
+    label: str
+    group: ProcessGroup | None
+    tensor: torch.Tensor | None
+    seq: int | None
+    start: float
+
+    def failure(self, cause: BaseException) -> D.CollectiveError:
+        return D.failure(D.describe(self.op, self.label, self.tensor), self.seq,
+                         group_ranks(self.group), _timeout_s, time.perf_counter() - self.start,
+                         cause)
+
+
+_timeout_s: float | None = None
+
+
+
+def _key(group: ProcessGroup | None) -> int:
+    return id(group if group is not None else dist.group.WORLD)
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group`, in group-rank order."""
+    if not is_initialized():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _issue(op: str, label: str, group: ProcessGroup | None, tensor: torch.Tensor | None,
+           call: Callable[[], Any]) -> tuple[Any, _Issued]:
+    """Check (debug mode), then run `call`; a backend failure becomes a CollectiveError."""
+    seq = None
+    if D.debug_enabled() and is_initialized() and world_size(group) > 1:
+        seq = D.next_sequence(_key(group))
+        D.check(seq, D.describe(op, label, tensor), lambda fp: _exchange(fp, group),
+                group_ranks(group))
+    issued = _Issued(op, label, group, tensor, seq, time.perf_counter())
+    try:
+        return call(), issued
+    except Exception as e:
+        if not D.is_comm_failure(e):
+            raise
+        raise issued.failure(e) from e
+
+
+def _exchange(fingerprint: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    device = _byte_device(group)
+    mine = fingerprint.to(device)
+    out = torch.empty(world_size(group) * mine.numel(), dtype=torch.uint8, device=device)
+    _all_gather_flat(out, mine, group=group)
+    return out.view(world_size(group), -1).cpu()
 
 
 def use_all_to_all(group: ProcessGroup | None) -> bool:
@@ -77,7 +145,31 @@ def backend(group: ProcessGroup | None = None) -> str:
 
 
 def init_process_group(backend_name: str, timeout_s: float) -> None:
-    dist.init_process_group(backend_name, timeout=datetime.timedelta(seconds=timeout_s))
+    global _timeout_s
+    _timeout_s = timeout_s
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend_name, timeout=timeout, **_restart_store(timeout))
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """A store of this attempt's own keys, after a single-node torchelastic restart.
+
+    [Note: restart store] torchrun's workers share the agent's TCPStore, which outlives a
+    restart with every key the failed attempt wrote. A restarted rank can then read a dead
+    peer's address and fail to connect (gloo: "connectFullMesh failed ... Connection
+    refused"; pytorch/pytorch#135712). Prefixing by TORCHELASTIC_RESTART_COUNT isolates the
+    attempts; it is only safe with one agent, since agents of a multi-node job count
+    restarts differently (there, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    """
+    env = os.environ
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0
+            or env.get("WORLD_SIZE") != env.get("LOCAL_WORLD_SIZE")):
+        return {}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardwise/restart-{attempt}/", store),
+            "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
 
 
 def destroy_process_group() -> None:
@@ -93,13 +185,19 @@ def finish() -> None:
     Python also knew, the drop needs the GIL; if the main thread is by then finalizing the
     interpreter, the worker thread is exited mid-destructor and the process aborts
     ("terminate called without an active exception", seen on CI in a 2-node run).
-    The barrier blocks with the GIL released for a network round trip, long enough for those
-    drops, and no rank tears down while a peer is still in a collective.
+    The barrier means no rank tears down while a peer is still in a collective, and every
+    collective of this rank has completed. Gloo can still hold the last reference to a finished
+    work for a moment (a barrier keeps the works in flight when it was issued, and drops them
+    on its worker thread): the short sleep, with the GIL released, lets those drops finish.
     """
     if not is_initialized():
         return
-    dist.barrier()
+    barrier(label="end of run")
     dist.destroy_process_group()
+    time.sleep(_DRAIN_S)
+
+
+_DRAIN_S = 0.1
 
 
 def new_groups_2d(replicate: int, shard: int) -> tuple[ProcessGroup, ProcessGroup]:
@@ -130,16 +228,20 @@ def all_gather(
     group: ProcessGroup | None,
     async_op: bool,
     scratch: torch.Tensor | None = None,
+    label: str = "",
 ) -> Work:
     """Gather equal flat `shard`s from every rank of `group` into `output` (rank-major).
+
+    `label` names the caller (a unit's module path) in errors and debug fingerprints.
 
     On the all-to-all path the shard is sent to every peer from an (S, n) buffer: pass it as
     `scratch` (with `shard` = its first row, it is not copied again) or one is allocated.
     The caller must keep `scratch` untouched until the work is waited for.
     """
     if not use_all_to_all(group):
-        handle = _all_gather_flat(output, shard, group=group, async_op=async_op)
-        return Work(handle if async_op else None, output)
+        handle, issued = _issue("all_gather", label, group, shard, lambda: _all_gather_flat(
+            output, shard, group=group, async_op=async_op))
+        return Work(handle if async_op else None, output, None, issued)
     S, n = world_size(group), shard.numel()
     send = scratch if scratch is not None else torch.empty(S * n, dtype=shard.dtype,
                                                            device=shard.device)
@@ -147,8 +249,9 @@ def all_gather(
     if rows[0].data_ptr() != shard.data_ptr():
         rows[0].copy_(shard)
     rows[1:].copy_(rows[0].expand(S - 1, n))
-    handle = dist.all_to_all_single(output, send, group=group, async_op=async_op)
-    return Work(handle if async_op else None, output)
+    handle, issued = _issue("all_gather", label, group, shard, lambda: dist.all_to_all_single(
+        output, send, group=group, async_op=async_op))
+    return Work(handle if async_op else None, output, None, issued)
 
 
 def reduce_scatter_sum(
@@ -157,6 +260,7 @@ def reduce_scatter_sum(
     group: ProcessGroup | None,
     async_op: bool,
     scratch: torch.Tensor | None = None,
+    label: str = "",
 ) -> Work:
     """Sum `full` (rank-major segments) across `group`; this rank keeps its segment.
 
@@ -164,12 +268,13 @@ def reduce_scatter_sum(
     (same size as `full`; allocated when None) and sums the S segments in rank order.
     """
     if not use_all_to_all(group):
-        handle = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=async_op)
-        return Work(handle if async_op else None, output)
+        handle, issued = _issue("reduce_scatter", label, group, full, lambda: _reduce_scatter_flat(
+            output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+        return Work(handle if async_op else None, output, None, issued)
     S = world_size(group)
     recv = scratch if scratch is not None else torch.empty_like(full)
-    handle = dist.all_to_all_single(recv, full, group=group, async_op=async_op)
+    handle, issued = _issue("reduce_scatter", label, group, full, lambda: dist.all_to_all_single(
+        recv, full, group=group, async_op=async_op))
 
     def local_sum() -> None:
         # Elementwise adds in rank order: torch.sum over dim 0 of an (S, n) view measured 8x
@@ -182,7 +287,7 @@ def reduce_scatter_sum(
     if not async_op:
         local_sum()
         return Work(None, output)
-    return Work(handle, output, local_sum)
+    return Work(handle, output, local_sum, issued)
 
 
 def all_reduce(
@@ -190,18 +295,22 @@ def all_reduce(
     group: ProcessGroup | None,
     op: str = "sum",
     async_op: bool = False,
+    label: str = "",
 ) -> Work:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    handle = dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op)
-    return Work(handle if async_op else None, tensor)
+    handle, issued = _issue(f"all_reduce({op})", label, group, tensor, lambda: dist.all_reduce(
+        tensor, op=ops[op], group=group, async_op=async_op))
+    return Work(handle if async_op else None, tensor, None, issued)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    dist.broadcast(tensor, src=src, group=group)
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
+              label: str = "") -> torch.Tensor:
+    _issue(f"broadcast(src={src})", label, group, tensor,
+           lambda: dist.broadcast(tensor, src=src, group=group))
     return tensor
 
 
-def agree(flag: bool, group: ProcessGroup | None = None) -> bool:
+def agree(flag: bool, group: ProcessGroup | None = None, label: str = "") -> bool:
     """True on every rank iff `flag` is True on every rank (one tiny all-reduce).
 
     Used so that a check which fails on one rank raises on all of them, instead of
@@ -212,24 +321,25 @@ def agree(flag: bool, group: ProcessGroup | None = None) -> bool:
     t = torch.tensor([0 if flag else 1], dtype=torch.int32)
     if backend(group) == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _issue("agree", label, group, t, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
     return int(t.item()) == 0
 
 
-def same_on_all(value: int, group: ProcessGroup | None = None) -> bool:
+def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") -> bool:
     """True on every rank iff every rank passed the same integer (two tiny all-reduces)."""
     if not is_initialized() or world_size(group) == 1:
         return True
     t = torch.tensor([value, -value], dtype=torch.int64)
     if backend(group) == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _issue("same_on_all", label, group, t,
+           lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
     return int(t[0].item()) == value and int(-t[1].item()) == value
 
 
-def barrier(group: ProcessGroup | None = None) -> None:
+def barrier(group: ProcessGroup | None = None, label: str = "") -> None:
     if is_initialized():
-        dist.barrier(group=group)
+        _issue("barrier", label, group, None, lambda: dist.barrier(group=group))
 
 
 def _byte_device(group: ProcessGroup | None) -> torch.device:
@@ -243,7 +353,8 @@ def _padded_bytes(data: bytes, group: ProcessGroup | None) -> tuple[torch.Tensor
     n = world_size(group)
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.empty(n, dtype=torch.int64, device=device)
-    _all_gather_flat(lengths, mine, group=group)
+    _issue("exchange bytes", "", group, mine,
+           lambda: _all_gather_flat(lengths, mine, group=group))
     sizes = [int(x) for x in lengths.cpu()]
     buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)  # gloo dislikes empty buffers
     if data:
@@ -257,7 +368,7 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
         return [data]
     buf, sizes = _padded_bytes(data, group)
     out = torch.empty(len(sizes) * buf.numel(), dtype=torch.uint8, device=buf.device)
-    _all_gather_flat(out, buf, group=group)
+    _issue("all_gather bytes", "", group, buf, lambda: _all_gather_flat(out, buf, group=group))
     rows = out.view(len(sizes), buf.numel()).cpu()
     return [rows[r, : sizes[r]].numpy().tobytes() for r in range(len(sizes))]
 
@@ -269,7 +380,8 @@ def gather_bytes(data: bytes, dst: int = 0, group: ProcessGroup | None = None) -
     buf, sizes = _padded_bytes(data, group)
     me = rank(group)
     bufs = [torch.empty_like(buf) for _ in sizes] if me == dst else None
-    dist.gather(buf, bufs, dst=global_rank_of(group, dst), group=group)
+    _issue(f"gather bytes(dst={dst})", "", group, buf,
+           lambda: dist.gather(buf, bufs, dst=global_rank_of(group, dst), group=group))
     if bufs is None:
         return []
     return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, sizes)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .checks import check_module, check_number
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -33,16 +35,26 @@ def init_distributed(
     """
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} must be 'gloo', 'nccl' or None")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo'")
+    if timeout_s is not None:
+        check_number("timeout_s", timeout_s, positive=True)
+    else:
+        env = os.environ.get("SHARDWISE_TIMEOUT")
+        try:
+            timeout_s = float(env) if env is not None else DEFAULT_TIMEOUT_S
+        except ValueError:
+            timeout_s = math.nan
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"SHARDWISE_TIMEOUT={env!r} is not allowed: must be a finite "
+                             "number of seconds > 0")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo'")
-    timeout = timeout_s if timeout_s is not None else float(
-        os.environ.get("SHARDWISE_TIMEOUT", DEFAULT_TIMEOUT_S))
+    timeout = float(timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -61,6 +73,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     The backward after the block reduces everything accumulated, so k micro-batches (each
     loss divided by k) give the same update as one batch k times larger.
     """
+    check_module("model", model)
     units = [m for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
     if not units:
         raise ValueError(f"no_sync needs a sharded model; {type(model).__name__} has no units")

@@ -9,6 +9,7 @@ from torch import nn
 
 from . import collectives as C
 from .buffers import BufferPool
+from .checks import check_module, check_params
 from .hooks import forward_post_hook, forward_pre_hook, make_post_accumulate_hook
 from .policies import (
     CPUOffloadPolicy,
@@ -77,6 +78,8 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     if mesh is None:
         return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank)
     ndim = getattr(mesh, "ndim", None)
+    if not callable(getattr(mesh, "get_group", None)):
+        ndim = None  # not a DeviceMesh, whatever its ndim says
     if ndim == 1:
         g = mesh.get_group()  # type: ignore[attr-defined]
         return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank)
@@ -116,9 +119,10 @@ def fully_shard(
         raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy or None")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
         raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy or None")
+    ignored_list = check_params("ignored_params", ignored_params)
     info = mesh_info_for(mesh)
-    ignored = {id(p) for p in (ignored_params or ())}
-    for p in ignored_params or ():
+    ignored = {id(p) for p in ignored_list}
+    for p in ignored_list:
         p._sw_ignored = True  # type: ignore[attr-defined]
     if offload_policy is not None and offload_policy.params and info.device.type == "cuda":
         host = torch.device("cpu")
@@ -219,6 +223,8 @@ def shard_model(
     ignored_params: Iterable[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
+    check_module("model", model)
+    ignored = check_params("ignored_params", ignored_params)
     strategy = ShardingStrategy.parse(sharding_strategy)
     mp = MixedPrecisionPolicy.parse(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload)
@@ -226,7 +232,6 @@ def shard_model(
     targets = wrap_targets(model, policy)
     info = _strategy_mesh(strategy, mesh)
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    ignored = list(ignored_params or ())
     for _, m in targets:
         fully_shard(m, mesh=info, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=offload, ignored_params=ignored)

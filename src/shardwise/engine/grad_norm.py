@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .checks import check_bool, check_module, check_number
 from .fully_shard import sharded_params, units_of
 
 
@@ -21,11 +22,13 @@ def clip_grad_norm_(
     Every rank returns the same value. Parameters that no unit owns (ignored parameters)
     are the same on every rank and are counted locally.
     """
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-        raise ValueError(f"max_norm={max_norm!r} must be a positive number")
-    norm_type = float(norm_type)
-    if not (norm_type == math.inf or norm_type > 0):
-        raise ValueError(f"norm_type={norm_type!r} must be positive or inf")
+    check_module("model", model)
+    # inf is a real use: the trainer asks for the norm only, with no clipping.
+    check_number("max_norm", max_norm, positive=True, finite=False)
+    if isinstance(norm_type, str) and norm_type in ("inf", "fro"):  # torch accepts these
+        norm_type = {"inf": math.inf, "fro": 2.0}[norm_type]
+    norm_type = check_number("norm_type", norm_type, positive=True, finite=False)
+    check_bool("error_if_nonfinite", error_if_nonfinite)
     sps = sharded_params(model)
     units = units_of(model)
     sharded_ids = {id(p.sharded) for p in sps}
@@ -43,7 +46,7 @@ def clip_grad_norm_(
     total = partial(shard_grads)
     if units and units[0].mesh.shard_size > 1:
         C.all_reduce(total, units[0].mesh.shard_group,
-                     op="max" if norm_type == math.inf else "sum")
+                     op="max" if norm_type == math.inf else "sum", label="clip_grad_norm_")
     extra = partial(local_grads)
     if norm_type == math.inf:
         total = torch.maximum(total, extra)

@@ -200,7 +200,7 @@ def _check_same_layout(units: list[Unit]) -> None:
         for u in units
     )
     fingerprint = zlib.crc32(desc.encode()) & 0x7FFFFFFF
-    if not C.same_on_all(fingerprint):
+    if not C.same_on_all(fingerprint, label="layout check"):
         raise RuntimeError(
             f"rank {C.rank()}: ranks disagree on the sharded model ({len(units)} units here, "
             f"layout fingerprint {fingerprint}); every rank must build the same model and call "

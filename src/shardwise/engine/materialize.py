@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .checks import check_int, check_module
 from .fully_shard import sharded_params, units_of
 
 
@@ -25,6 +26,12 @@ def materialize(
     draws from its own random stream (seed + shard rank); replicas share it.
     Buffers on the meta device are allocated (uninitialized) unless an initializer fills them.
     """
+    check_module("model", model)
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn={init_fn!r} is not allowed: must be a callable "
+                         "(module) -> None, or None")
+    if seed is not None:
+        check_int("seed", seed)
     units = units_of(model)
     if not units:
         raise ValueError(f"materialize needs a sharded model; {type(model).__name__} has none")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .checks import check_bool, check_int, check_module, check_number
 from .fully_shard import sharded_params, units_of
 
 
@@ -26,6 +27,7 @@ def _names(dts: Iterable[torch.dtype]) -> str:
 
 def precision_plan(model: nn.Module) -> str:
     """One line: storage, compute, communication, reduction and master dtypes of `model`."""
+    check_module("model", model)
     units = units_of(model)
     if not units:
         raise ValueError(f"{type(model).__name__} is not sharded")
@@ -50,12 +52,11 @@ class ShardedGradScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True) -> None:
-        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1:
-            raise ValueError(
-                f"init_scale={init_scale} must be > 0, growth_factor={growth_factor} > 1 and "
-                f"backoff_factor={backoff_factor} in (0, 1)")
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval={growth_interval} must be >= 1")
+        check_number("init_scale", init_scale, positive=True)
+        check_number("growth_factor", growth_factor, above=1.0)
+        check_number("backoff_factor", backoff_factor, positive=True, below=1.0)
+        check_int("growth_interval", growth_interval, minimum=1)
+        check_bool("enabled", enabled)
         self.scale_value = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -85,7 +86,7 @@ class ShardedGradScaler:
         if C.is_initialized() and C.world_size() > 1:
             if C.backend() == "nccl":
                 flag = flag.cuda()
-            C.all_reduce(flag, None, op="max")
+            C.all_reduce(flag, None, op="max", label="ShardedGradScaler (found inf)")
         self._found_inf[id(optimizer)] = bool(flag.item() > 0)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:

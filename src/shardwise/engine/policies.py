@@ -14,6 +14,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from .checks import check_bool, check_int
+
 
 class ShardingStrategy(str, enum.Enum):
     """How parameters, gradients and optimizer state are split across ranks.
@@ -76,6 +78,7 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
+        check_bool("cast_forward_inputs", self.cast_forward_inputs)
 
     @classmethod
     def parse(cls, value: str | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
@@ -112,6 +115,10 @@ class CPUOffloadPolicy:
     optimizer_state: bool = True
     pin_memory: bool = True
 
+    def __post_init__(self) -> None:
+        for field in ("params", "grads", "optimizer_state", "pin_memory"):
+            check_bool(f"CPUOffloadPolicy.{field}", getattr(self, field))
+
     @classmethod
     def parse(cls, value: bool | CPUOffloadPolicy | None) -> CPUOffloadPolicy | None:
         if value is None or value is False:
@@ -135,8 +142,7 @@ def size_policy(min_num_params: int = 100_000) -> WrapPolicy:
     Applied bottom-up, so parameters already claimed by a wrapped child do not count
     towards the parent's size.
     """
-    if not isinstance(min_num_params, int) or min_num_params < 1:
-        raise ValueError(f"min_num_params={min_num_params!r} must be a positive int")
+    check_int("min_num_params", min_num_params, minimum=1)
 
     def policy(module: nn.Module, _unclaimed: int | None = None) -> bool:
         n = _unclaimed if _unclaimed is not None else sum(p.numel() for p in module.parameters())
@@ -149,9 +155,16 @@ def size_policy(min_num_params: int = 100_000) -> WrapPolicy:
 
 def transformer_policy(block_classes: Iterable[type[nn.Module]]) -> WrapPolicy:
     """Wrap every instance of the given block classes (transformer layers, say)."""
+    if isinstance(block_classes, type) or not isinstance(block_classes, Iterable) \
+            or isinstance(block_classes, str):
+        raise ValueError(f"block_classes={block_classes!r} is not allowed: must be an iterable "
+                         "of nn.Module subclasses, e.g. {Block}")
     classes = tuple(block_classes)
-    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise ValueError(f"transformer_policy needs nn.Module classes, got {classes!r}")
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if not classes or bad:
+        what = f"{bad[0]!r}" if bad else "nothing"
+        raise ValueError(f"transformer_policy needs nn.Module classes (block_classes), got "
+                         f"{what.splitlines()[0]}")
 
     def policy(module: nn.Module) -> bool:
         return isinstance(module, classes)

@@ -85,11 +85,14 @@ class ShardedParam:
         self.sharded = nn.Parameter(padded[: self.local_rows], requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
-        # the sharded parameter *is* the unsharded one (NO_SHARD without casts).
+        # the sharded parameter *is* the unsharded one (NO_SHARD without casts). Not for a
+        # 0-d parameter: its shard is shaped (1,), and forward must see shape () (a copy of
+        # one element per step is the price).
         self.direct = (
             self.shard_size == 1
             and self.compute_dtype == self.orig_dtype
             and self.host_device == self.device
+            and len(self.orig_shape) > 0
         )
         if self.direct:
             self._full_padded = padded

@@ -75,6 +75,7 @@ class _PendingGather:
     out: torch.Tensor
     work: C.Work
     start: float
+    blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
 
 
 @dataclass
@@ -139,11 +140,17 @@ class Unit:
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.groups}
 
-    def _emit(self, phase: str, collective: str, nbytes: int, start: float) -> None:
+    @property
+    def label(self) -> str:
+        """How errors and debug fingerprints name this unit's collectives."""
+        return self.name or "<root>"
+
+    def _emit(self, phase: str, collective: str, nbytes: int, start: float,
+              wait: float = 0.0) -> None:
         ctx = self.ctx
         if ctx is not None and ctx.sinks:
             ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start, now(),
-                       ctx.step)
+                       ctx.step, wait)
             for sink in ctx.sinks:
                 sink(ev)
 
@@ -169,9 +176,12 @@ class Unit:
                     shard[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
                                                            non_blocking=True)
             out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+            t_call = 0.0 if async_op else now()
             work = C.all_gather(out, shard, self.mesh.shard_group, async_op,
-                                scratch=send if a2a else None)
-            self._gathers.append(_PendingGather(g, send, out, work, start))
+                                scratch=send if a2a else None, label=self.label)
+            # A synchronous gather blocks inside the call: all of it is exposed.
+            blocked = 0.0 if async_op else now() - t_call
+            self._gathers.append(_PendingGather(g, send, out, work, start, blocked))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -183,7 +193,9 @@ class Unit:
         S = self.mesh.shard_size
         with torch.no_grad():
             for pg in self._gathers:
+                t_wait = now()
                 pg.work.wait()
+                waited = now() - t_wait + pg.blocked
                 self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.group.numel)
                 for p, off in zip(pg.group.params, pg.group.offsets):
@@ -193,7 +205,7 @@ class Unit:
                     p.unsharded_rows_view().copy_(rows[:, off : off + p.chunk_numel])
                 self.pool.release(pg.out)
                 self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
-                           pg.start)
+                           pg.start, waited)
             if S == 1:
                 for p in self.params:
                     if not p.direct:
@@ -269,30 +281,35 @@ class Unit:
                     scratch = (self.pool.get(g.grad_numel * S, dtype, mesh.device)
                                if C.use_all_to_all(mesh.shard_group) else None)
                     work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True,
-                                                scratch=scratch)
+                                                scratch=scratch, label=self.label)
                     pending.append(PendingReduce(self, g, send, out, work, start, scratch))
                 else:
-                    work = C.all_reduce(send, mesh.replicate_group, async_op=True) \
+                    work = C.all_reduce(send, mesh.replicate_group, async_op=True,
+                                        label=self.label) \
                         if mesh.replicate_size > 1 else C.Work(None, send)
                     pending.append(PendingReduce(self, g, None, send, work, start))
         return pending
 
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
+        t_wait = now()
         out = pr.work.wait()
+        waited = now() - t_wait
         mesh = self.mesh
         nbytes = pr.out.numel() * pr.out.element_size()
         if pr.send is not None:
-            self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start)
+            self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
+                       waited)
             self.pool.release(pr.send)
             if pr.scratch is not None:
                 self.pool.release(pr.scratch)
             if mesh.replicate_size > 1:
                 start = now()
-                C.all_reduce(out, mesh.replicate_group)
-                self._emit("all_reduce", "all_reduce", nbytes, start)
+                C.all_reduce(out, mesh.replicate_group, label=self.label)
+                # Synchronous: the whole call is exposed.
+                self._emit("all_reduce", "all_reduce", nbytes, start, now() - start)
         elif mesh.replicate_size > 1:
-            self._emit("all_reduce", "all_reduce", nbytes, pr.start)
+            self._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
         if mesh.dp_size > 1:
             out.div_(mesh.dp_size)
@@ -321,6 +338,8 @@ def _pack_grad(p: ShardedParam, dst: torch.Tensor) -> None:
         return
     flat = grad.reshape(-1)
     chunk = p.chunk_numel
+    if p.chunk_rows == 0:
+        return  # dim 0 has size 0: nothing to send (and no rows to divide by)
     full_ranks = p.dim0 // p.chunk_rows
     if full_ranks:
         dst[:full_ranks].copy_(flat[: full_ranks * chunk].view(full_ranks, chunk))

@@ -15,13 +15,16 @@ Replay mode (`--replay runs/NAME`):
 Every POST must carry `Content-Type: application/json`: a cross-site form cannot send
 that without a CORS preflight, which this server never grants, so another web page open
 in the same browser cannot press the buttons. Requests whose Host header is not this
-machine's loopback name are refused (DNS rebinding) when bound to loopback.
+machine's loopback name are refused (DNS rebinding) when bound to loopback. Any request
+but GET/HEAD/OPTIONS whose `Origin` is not the server's own, or that the browser marks
+`Sec-Fetch-Site: cross-site`/`same-site`, is refused with 403 whatever the bind address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -45,6 +49,56 @@ KEEPALIVE_S = 15.0
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1, bracketed or not)."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def cross_origin_refusal(method: str, headers: Headers) -> str | None:
+    """Why a state-changing request must be refused as cross-origin, or None if it may run.
+
+    The JSON content type already forces a CORS preflight on other pages; this is the
+    second lock, and the only one a form/`no-cors` quirk or a future route cannot undo.
+    Requests without these headers come from non-browser clients (curl, tests), which no
+    web page can make a user's browser send.
+    """
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return None
+    site = headers.get("sec-fetch-site")
+    if site is not None and site.lower() not in ("same-origin", "none"):
+        return f"cross-site request refused (Sec-Fetch-Site: {site})"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    scheme, sep, netloc = origin.partition("://")
+    host = headers.get("host", "")
+    # `null` (sandboxed frames, file:// pages) and any other site never match.
+    if not sep or scheme.lower() not in ("http", "https") or netloc.lower() != host.lower():
+        return f"request from origin {origin!r} refused: only this page may use the controls"
+    return None
+
+
+class SameOriginControls:
+    """403 for POSTs that a page on another origin made the browser send (CSRF)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            reason = cross_origin_refusal(scope["method"], Headers(scope=scope))
+            if reason is not None:
+                await JSONResponse({"error": reason}, status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class LoopbackHostOnly:
     """Refuse requests addressed to any host name but the loopback ones."""
 
@@ -55,7 +109,7 @@ class LoopbackHostOnly:
         if scope["type"] == "http":
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name not in LOOPBACK_NAMES:
+            if not is_loopback(name):
                 await Response(f"host {host!r} refused", status_code=421)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -191,6 +245,7 @@ def create_app(session: Session | None = None, replay: Replay | None = None,
             session.end_streams()
 
     app.state.end_streams = end_streams
+    app.add_middleware(SameOriginControls)
     if loopback_only:
         app.add_middleware(LoopbackHostOnly)
     return app

@@ -31,6 +31,10 @@ class Event:
         reduce-scatter input, the all-reduce tensor (0 for compute).
     start, end: `time.perf_counter()` seconds on this rank.
     step: the training step the event belongs to (-1 when unknown).
+    wait: seconds this rank's calling (training) thread was blocked on the collective: in
+        its `wait()`, or for the whole call when the collective ran synchronously. The rest
+        of [start, end] ran behind other work; `wait` is the communication it exposed
+        (0 for compute intervals).
     """
 
     rank: int
@@ -41,6 +45,7 @@ class Event:
     start: float
     end: float
     step: int = -1
+    wait: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -99,7 +99,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         cdtype = mp.param_dtype if (mp and mp.param_dtype and p.dtype.is_floating_point) \
             else p.dtype
         csize = _size(cdtype)
-        direct = S == 1 and cdtype == p.dtype and not host_offload
+        # As ShardedParam: a 0-d parameter is never direct (forward must see shape ()).
+        direct = S == 1 and cdtype == p.dtype and not host_offload and len(p.shape) > 0
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
         gather[cdtype] = gather.get(cdtype, 0) + C * row

@@ -9,12 +9,14 @@ holds the most (rank 0).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..engine.checks import check_bool, check_int
 from ..engine.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -173,23 +175,28 @@ def plan(
     ranks_per_node: defaults to the device's (8) or, without a device, the whole world.
     rank: the rank to plan (0 holds the most).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    check_int("world_size", world_size, minimum=1)
+    check_bool("activation_checkpointing", activation_checkpointing)
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", ranks_per_node, minimum=1)
+    check_int("rank", rank, minimum=0, maximum=world_size - 1)
     strategy = ShardingStrategy.parse(sharding_strategy)
     mp = MixedPrecisionPolicy.parse(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload) is not None
     opt = parse_optimizer(optimizer)
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be a positive int or None")
     dev = device_profile(device) if device is not None else None
+    if interconnect is not None:
+        interconnect_profile(interconnect, dev)  # an unknown name fails here, device or not
     shape = coerce_shape(shape)
 
     if isinstance(model_or_param_count, nn.Module):
         mu = units_of_model(model_or_param_count, auto_wrap_policy,
                             shape or shape_of_model(model_or_param_count))
     elif isinstance(model_or_param_count, (int, float)) and not isinstance(
-            model_or_param_count, bool) and model_or_param_count >= 1:
+            model_or_param_count, bool) and 1 <= model_or_param_count < math.inf:
         mu = units_of_count(int(round(model_or_param_count)), shape, auto_wrap_policy)
     else:
         raise ValueError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module "

@@ -8,7 +8,9 @@ starts, naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 WRAP_POLICIES = ("transformer", "size", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")
+ON_NONFINITE = ("stop", "skip")
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -27,6 +30,25 @@ def _check(ok: bool, msg: str) -> None:
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, f"{section}.{name}={value!r} is not one of: {', '.join(allowed)}")
+
+
+def _typed(section: str, obj: Any) -> None:
+    """Every field has its declared type (floats finite), so a later comparison cannot
+    raise TypeError or let inf/NaN through; ints given for a float field become floats."""
+    hints = typing.get_type_hints(type(obj))
+    prefix = f"{section}." if section else ""
+    for f in fields(obj):
+        typ, v = hints[f.name], getattr(obj, f.name)
+        if typ not in (bool, int, float, str):
+            continue
+        if typ is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+            setattr(obj, f.name, v)
+        ok = isinstance(v, typ) and (typ is bool or not isinstance(v, bool))
+        if typ is float:
+            ok = ok and math.isfinite(v)
+        kind = "a finite float" if typ is float else f"a {typ.__name__}"
+        _check(ok, f"{prefix}{f.name}={v!r} is not allowed: must be {kind}")
 
 
 def _positive(section: str, obj: Any, *names: str, zero_ok: bool = False) -> None:
@@ -54,6 +76,7 @@ class ModelSection:
     block_size: int = 0
 
     def __post_init__(self) -> None:
+        _typed("model", self)
         _choice("model", "preset", self.preset, tuple(PRESETS))
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
         self.gpt()  # raises if the overrides make an impossible shape
@@ -81,6 +104,7 @@ class DataSection:
     seed: int = 1234
 
     def __post_init__(self) -> None:
+        _typed("data", self)
         _positive("data", self, "max_bytes")
         _check(0.0 < self.val_fraction < 0.5,
                f"data.val_fraction={self.val_fraction!r} must be in (0, 0.5)")
@@ -108,6 +132,10 @@ class TrainSection:
     seed: seed of the model's initialization.
     eval_interval: steps between validation passes (0: only at the end).
     eval_batches: micro-batches per rank per validation pass.
+    on_nonfinite: on a non-finite loss or gradient norm: stop (exit 3, naming the step) or
+        skip (drop that optimizer step; see docs/training.md).
+    max_skipped_steps: with on_nonfinite=skip, stop once more than this many steps in a row
+        were skipped.
     """
 
     steps: int = 1000
@@ -124,12 +152,16 @@ class TrainSection:
     seed: int = 0
     eval_interval: int = 100
     eval_batches: int = 8
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10
 
     def __post_init__(self) -> None:
+        _typed("train", self)
         _positive("train", self, "steps", "batch_size", "grad_accum", "lr", "eval_batches")
         _positive("train", self, "min_lr", "warmup_steps", "weight_decay", "grad_clip",
-                  "eval_interval", zero_ok=True)
+                  "eval_interval", "max_skipped_steps", zero_ok=True)
         _choice("train", "schedule", self.schedule, SCHEDULES)
+        _choice("train", "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         _check(self.min_lr <= self.lr, f"train.min_lr={self.min_lr} must be <= train.lr={self.lr}")
         for b in ("beta1", "beta2"):
             v = getattr(self, b)
@@ -154,6 +186,7 @@ class ShardSection:
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:
+        _typed("shard", self)
         self.sharding_strategy = self.sharding_strategy.upper().replace("-", "_")
         _choice("shard", "sharding_strategy", self.sharding_strategy, STRATEGIES)
         _choice("shard", "auto_wrap_policy", self.auto_wrap_policy, WRAP_POLICIES)
@@ -172,6 +205,7 @@ class CheckpointSection:
     keep: int = 2
 
     def __post_init__(self) -> None:
+        _typed("checkpoint", self)
         _positive("checkpoint", self, "interval", zero_ok=True)
         _positive("checkpoint", self, "keep")
 
@@ -184,16 +218,24 @@ class LogSection:
         steps (-1: all, 0: none).
     sample_tokens: bytes of text to sample from the trained model at the end (0: none).
     sample_prompt: the text the sample starts from.
+    trace_steps: with --trace: how many steps to trace (traces grow with every step).
+    trace_after: with --trace: steps to run before tracing starts (the first step pays for
+        lazy initialization and records the prefetch order).
     """
 
     event_steps: int = 5
     sample_tokens: int = 300
     sample_prompt: str = "def "
+    trace_steps: int = 3
+    trace_after: int = 1
 
     def __post_init__(self) -> None:
+        _typed("log", self)
         _check(self.event_steps >= -1, f"log.event_steps={self.event_steps!r} must be >= -1")
         _positive("log", self, "sample_tokens", zero_ok=True)
         _check(len(self.sample_prompt.encode()) > 0, "log.sample_prompt must not be empty")
+        _positive("log", self, "trace_steps")
+        _positive("log", self, "trace_after", zero_ok=True)
 
 
 @dataclass
@@ -207,6 +249,11 @@ class Config:
     resume: continue the run folder's latest checkpoint (at any nproc).
     overwrite: delete an existing run folder of the same name first.
     threads: torch CPU threads per rank (0 = CPU cores / local ranks, at least 1).
+    trace: write a Chrome/Perfetto trace of log.trace_steps steps into the run folder's
+        trace/ and print the overlap report (exposed communication per step).
+    max_restarts: with --nproc, restart all workers up to this many times after one fails;
+        each restart resumes from the run's latest checkpoint (under torchrun, pass
+        torchrun's own --max-restarts instead).
     """
 
     name: str = ""
@@ -215,6 +262,8 @@ class Config:
     resume: bool = False
     overwrite: bool = False
     threads: int = 0
+    trace: bool = False
+    max_restarts: int = 0
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -223,11 +272,16 @@ class Config:
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
-        _positive("", self, "nproc", "threads", zero_ok=True)
+        _typed("", self)
+        _positive("", self, "nproc", "threads", "max_restarts", zero_ok=True)
         _check(not (self.resume and self.overwrite),
                "--resume and --overwrite contradict each other: pick one")
         _check("/" not in self.name and self.name not in (".", ".."),
                f"name={self.name!r} must be a plain folder name")
+        out = Path(self.out_dir).expanduser()
+        _check(bool(self.out_dir) and (out.is_dir() or not out.exists()),
+               f"out_dir={self.out_dir!r} is not allowed: must be a folder (or a path where "
+               "one can be made), not empty and not a file")
         _check(self.model.gpt().vocab_size >= 256,
                f"model.preset={self.model.preset!r} has vocab_size < 256; byte text needs 256")
 

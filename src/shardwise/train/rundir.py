@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +24,8 @@ from .options import dumps_toml
 
 CKPT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step-(\d+)$")
+# config.toml's first line names the torchelastic job that last wrote the folder.
+_JOB_LINE = "# written by torchelastic job "
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -68,13 +71,58 @@ def latest_run(out: Path) -> Path | None:
     return max(runs, key=lambda p: checkpoints(p)[-1][1].stat().st_mtime)
 
 
+def job_id() -> str:
+    """This torchelastic job's run id: the same in each restart of a job, new for each job
+    (torchrun --standalone and `launch` draw one; multi-node jobs pass --rdzv-id)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def is_restart() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def written_by(run: Path) -> str:
+    """The job id in the folder's config.toml ("" if none)."""
+    try:
+        with (run / "config.toml").open() as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return ""
+    return first[len(_JOB_LINE):] if first.startswith(_JOB_LINE) else ""
+
+
+def for_restart(cfg: Config) -> Config:
+    """After a torchelastic restart, continue the folder this same job was writing.
+
+    With a checkpoint there: resume from its newest complete one. Without (the first attempt
+    died before its first checkpoint): start over in it, the only case where a restart
+    deletes anything, and then only files this job itself wrote. A folder written by any
+    other job (or by no job) gets the usual rules, so user data is never touched.
+    """
+    job = job_id()
+    if not is_restart() or not job or cfg.resume:
+        return cfg
+    out = Path(cfg.out_dir).expanduser()
+    if cfg.name:
+        mine = [out / cfg.name] if written_by(out / cfg.name) == job else []
+    else:
+        mine = [p for p in out.iterdir() if written_by(p) == job] if out.is_dir() else []
+    if not mine:
+        return cfg
+    run = max(mine, key=lambda p: (p / "config.toml").stat().st_mtime)
+    if checkpoints(run):
+        return dataclasses.replace(cfg, name=run.name, resume=True, overwrite=False)
+    return dataclasses.replace(cfg, name=run.name, overwrite=True)
+
+
 def resolve_name(cfg: Config) -> Config:
     """Fix the run's name and check the folder, before any process starts or any file is written.
 
     A new run never reuses an existing, non-empty folder unless `overwrite` is set; an
     unnamed run takes `<preset>-<n>`; `resume` needs a folder with a checkpoint (unnamed:
-    the latest such run).
+    the latest such run). A torchelastic restart continues its own folder (`for_restart`).
     """
+    cfg = for_restart(cfg)
     out = Path(cfg.out_dir).expanduser()
     if cfg.resume:
         if cfg.name:
@@ -115,7 +163,8 @@ def prepare(cfg: Config) -> Path:
         truncate_metrics(run / "metrics.jsonl", step)
     # The saved config describes the run, not this invocation's actions.
     saved = dataclasses.replace(cfg, resume=False, overwrite=False)
-    (run / "config.toml").write_text(dumps_toml(saved))
+    job = job_id()
+    (run / "config.toml").write_text((f"{_JOB_LINE}{job}\n" if job else "") + dumps_toml(saved))
     return run
 
 

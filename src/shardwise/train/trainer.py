@@ -25,7 +25,9 @@ import torch.distributed as dist
 import shardwise as sw
 
 from ..observe.sinks import JsonlSink, attach_sink, detach_sink, set_step
+from ..observe.trace import Trace
 from . import data as D
+from . import guard as G
 from . import rundir
 from .config import Config, TrainSection
 from .metrics import (
@@ -82,18 +84,20 @@ def threads_per_rank(cfg: Config) -> int:
     return max(1, cores // max(1, local))
 
 
-def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> Path:
-    """Rank 0 prepares the run folder; everyone gets its path (or rank 0's error)."""
+def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> tuple[Path, bool]:
+    """Rank 0 prepares the run folder; everyone gets its path and whether to resume from it
+    (a torchelastic restart resumes: rundir.for_restart), or rank 0's error."""
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = str(rundir.prepare(cfg))
+            cfg = rundir.for_restart(cfg)
+            box[0] = (str(rundir.prepare(cfg)), cfg.resume)
         except (ValueError, OSError) as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], BaseException):
         raise box[0]
-    return Path(box[0])
+    return Path(box[0][0]), bool(box[0][1])
 
 
 def build_model(cfg: Config) -> GPT:
@@ -169,6 +173,42 @@ class _EventLog:
             self.file = None
 
 
+class _TraceWindow:
+    """`--trace`: a `Trace` over log.trace_steps steps after log.trace_after warm-up steps."""
+
+    def __init__(self, cfg: Config, run_dir: Path, model: GPT, start: int) -> None:
+        self.first = self.last = -1  # no step matches: nothing is traced
+        if cfg.trace:
+            self.first = min(start + 1 + cfg.log.trace_after, cfg.train.steps)
+            self.last = min(self.first + cfg.log.trace_steps - 1, cfg.train.steps)
+        # A resumed run keeps its earlier trace: the new one goes beside it.
+        d = run_dir / "trace"
+        if d.exists() and any(d.iterdir()):
+            d = run_dir / f"trace-step{self.first}"
+        self.trace = Trace(d, model)
+        self.summary: dict[str, Any] = {}
+
+    @property
+    def paused(self) -> bool:
+        return self.trace.paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self.trace.paused = value  # evaluation's forwards are not training steps
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            self.trace.start()
+        if self.first <= step <= self.last:
+            self.trace.step(step)
+
+    def after(self, step: int) -> None:
+        if step == self.last:
+            report = self.trace.stop()
+            self.summary = {"dir": str(self.trace.dir), "merged": str(self.trace.merged_path),
+                            "report": report.to_dict()}
+
+
 def _rng_state() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
@@ -210,8 +250,8 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train on every rank of the current process group (or torchrun's); return the summary."""
     rank, world, device = sw.init_distributed()
     torch.set_num_threads(threads_per_rank(cfg))
-    run_dir = _shared_run_dir(cfg, rank, device)
-    cfg = dataclasses.replace(cfg, name=run_dir.name)
+    run_dir, resuming = _shared_run_dir(cfg, rank, device)
+    cfg = dataclasses.replace(cfg, name=run_dir.name, resume=resuming)
     rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
     t = cfg.train
     gcfg = cfg.model.gpt()
@@ -225,8 +265,11 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     opt = _optimizer(model, t)
     # fp16's narrow range needs loss scaling; bf16 and fp32 do not (the scaler is a no-op).
     scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
+    guard = G.NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
+                             scaler_handles_grads=scaler.enabled)
     start = resume(run_dir, model, opt, stream, scaler) if cfg.resume else 0
-    if start >= t.steps:
+    # A restart after the last step (a crash at teardown) has nothing left to do: not an error.
+    if start >= t.steps and not rundir.is_restart():
         raise ValueError(f"the checkpoint is at step {start}; train.steps={t.steps} leaves "
                          "nothing to do (raise --train.steps to train further)")
 
@@ -243,6 +286,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     # Count bytes over a few steps even when no event file is written, then stop paying.
     events = _EventLog(model, run_dir / f"events-rank{rank}.jsonl", cfg.log.event_steps != 0)
     count_until = start + max(cfg.log.event_steps, 3) if cfg.log.event_steps >= 0 else t.steps
+    tracing = _TraceWindow(cfg, run_dir, model, start)
     metrics = MetricsFile(run_dir / "metrics.jsonl") if rank == 0 else None
 
     val_loss = math.nan
@@ -254,6 +298,8 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
         for g in opt.param_groups:
             g["lr"] = lr
         set_step(model, step)
+        G.kill_hook_for_tests(step, rank)
+        tracing.before(step)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum):
@@ -261,12 +307,16 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
-                loss = model(x, y)
+                loss = G.nan_hook_for_tests(model(x, y), step, rank)
                 scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
         norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf)
-        stepped = scaler.step(opt)  # False when fp16 gradients overflowed on any rank
+        # Decided alike on every rank, before anything is applied: a stop raises here, so
+        # no checkpoint is ever saved after a non-finite step.
+        applied = guard.check(step, guard.agreed_loss(loss_sum, t.grad_accum), norm.item())
+        # False when skipped, or when fp16 gradients overflowed on any rank.
+        stepped = scaler.step(opt) if applied else False
         scaler.update()
         opt.zero_grad(set_to_none=True)
         per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
@@ -274,19 +324,23 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
         if step > start + 1:  # the first step pays for lazy initialization: not timed
             timed_tokens, timed_s = timed_tokens + tokens_per_step, timed_s + dt
         loss_mean = sum(r[0] for r in per_rank) / world
-        losses.append(loss_mean)
+        if applied:  # a skipped step's NaN would make the summary's losses NaN
+            losses.append(loss_mean)
         record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": norm.item(),
                   "tokens_per_s": tokens_per_step / dt,
                   "memory_mb": [round(r[1], 1) for r in per_rank],
                   "time_s": round(time.perf_counter() - t_begin, 3)}
         if scaler.enabled:
             record.update(loss_scale=scaler.get_scale(), skipped=not stepped)
+        if not applied:
+            record.update(nonfinite=True, skipped=True, nonfinite_skipped=guard.skipped)
         if step == count_until:
             events.stop()
+        tracing.after(step)
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
-            events.counter.paused = True
+            events.counter.paused = tracing.paused = True
             val_loss = evaluate(model, parts.val, cfg, rank, world, device)
-            events.counter.paused = False
+            events.counter.paused = tracing.paused = False
             record["val_loss"] = val_loss
             rep.eval(step, val_loss)
         if metrics is not None:
@@ -306,11 +360,11 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     state_mb = local_params * STATE_BYTES_PER_PARAM / MB
     comm = events.counter.last_step()
     rows = _gather([peak_memory_mb(device), state_mb, float(sum(comm.values()))], device)
-    tail = losses[-10:]
+    tail = losses[-10:] or [math.nan]  # every step of this invocation may have been skipped
     summary = {
         "run_dir": str(run_dir), "steps": t.steps, "start_step": start, "world": world,
         "params": n_params,
-        "final_loss": losses[-1], "final_loss_avg10": sum(tail) / len(tail),
+        "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
         "final_val_loss": val_loss,
         "tokens_per_s": timed_tokens / timed_s if timed_s else math.nan,
         "peak_memory_mb": [r[0] for r in rows],
@@ -318,9 +372,11 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
         "unsharded_state_mb": n_params * STATE_BYTES_PER_PARAM / MB,
         "bytes_per_step": [int(r[2]) for r in rows],
         "bytes_per_step_rank0": comm if rank == 0 else {},
-        "sample": sample, "device": device.type,
+        "sample": sample, "device": device.type, "nonfinite_skipped": guard.skipped,
         "wall_s": time.perf_counter() - t_begin,
     }
+    if tracing.summary:
+        summary["trace"] = tracing.summary
     rep.end(summary)
     return summary
 

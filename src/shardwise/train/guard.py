@@ -1,0 +1,109 @@
+"""Non-finite steps: the trainer stops, or skips the step, on a NaN/inf loss or gradient norm.
+
+Every rank must take the same decision, or the ranks that step and the ranks that do not
+would wait for each other in different collectives. The gradient norm from
+`sw.clip_grad_norm_` is already the same on every rank; the loss is each rank's own, so it is
+summed over ranks (one tiny all-reduce per step) before it is looked at.
+
+Also the trainer's test hooks (environment variables named SHARDWISE_TEST_*), read only when
+set, so the e2e tests can make one rank produce a NaN loss or die at a chosen step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+
+import torch
+
+from ..engine import collectives as C
+
+log = logging.getLogger(__name__)
+
+EXIT_NONFINITE = 3  # the CLI's exit status when the run stops on a non-finite step
+
+
+class NonFiniteError(RuntimeError):
+    """The run stops on a non-finite loss or gradient norm (raised on every rank alike)."""
+
+
+class NonFiniteGuard:
+    """Decides, on every rank alike, whether an optimizer step may be applied.
+
+    mode: "stop" raises NonFiniteError; "skip" returns False (the caller drops the step)
+    until more than `max_skipped` steps in a row were skipped, then raises.
+    scaler_handles_grads: fp16 loss scaling is on, so a non-finite gradient norm with a
+    finite loss is an overflow the ShardedGradScaler skips (and backs off from) by itself;
+    it is neither counted nor stopped on here. A non-finite loss still is: the scale does
+    not reach the forward pass, so lowering it would not help.
+    """
+
+    def __init__(self, mode: str, max_skipped: int, *, scaler_handles_grads: bool) -> None:
+        if mode not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite={mode!r} is not one of: stop, skip")
+        if max_skipped < 0:
+            raise ValueError(f"train.max_skipped_steps={max_skipped!r} must be >= 0")
+        self.mode = mode
+        self.max_skipped = max_skipped
+        self.scaler_handles_grads = scaler_handles_grads
+        self.skipped = 0  # steps skipped in the whole run (this process)
+        self.in_a_row = 0
+
+    def agreed_loss(self, loss_sum: torch.Tensor, grad_accum: int) -> float:
+        """The mean loss over ranks and micro-batches: NaN/inf on every rank if on any."""
+        total = loss_sum.detach().to(torch.float64).reshape(1).clone()
+        world = C.world_size() if C.is_initialized() else 1
+        if world > 1:
+            C.all_reduce(total, None, op="sum", label="non-finite check (loss)")
+        return total.item() / (world * grad_accum)
+
+    def check(self, step: int, loss: float, grad_norm: float) -> bool:
+        """True: apply the step. False: skip it. Raises NonFiniteError to stop the run."""
+        loss_ok = math.isfinite(loss)
+        norm_ok = math.isfinite(grad_norm) or self.scaler_handles_grads
+        if loss_ok and norm_ok:
+            self.in_a_row = 0
+            return True
+        what = (f"non-finite loss {loss} at step {step} (grad norm {grad_norm})" if not loss_ok
+                else f"non-finite grad norm {grad_norm} at step {step} (loss {loss:.4f})")
+        if self.mode == "stop":
+            raise NonFiniteError(f"{what}; stopping (set train.on_nonfinite=skip to skip "
+                                 "such steps)")
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row > self.max_skipped:
+            raise NonFiniteError(
+                f"{what}; {self.in_a_row} steps in a row were non-finite, more than "
+                f"train.max_skipped_steps={self.max_skipped}; stopping")
+        log.warning("%s; step skipped (%d so far)", what, self.skipped)
+        return False
+
+
+# --- test hooks ------------------------------------------------------------------------
+# For tests/e2e/test_train_faults.py only; inert unless the variable is set.
+
+KILL_AT_STEP = "SHARDWISE_TEST_KILL_AT_STEP"
+NAN_AT_STEPS = "SHARDWISE_TEST_NAN_AT_STEPS"
+_HOOK_RANK = 1  # the rank the hooks act on: a fault on one rank only tests agreement
+
+
+def _steps(var: str) -> set[int]:
+    raw = os.environ.get(var, "")
+    return {int(s) for s in raw.split(",") if s.strip()}
+
+
+def kill_hook_for_tests(step: int, rank: int) -> None:
+    """SIGKILL this process at step SHARDWISE_TEST_KILL_AT_STEP on rank 1, in the first
+    attempt of a torchelastic job only (so the restarted job runs to the end)."""
+    if (KILL_AT_STEP in os.environ and rank == _HOOK_RANK and step in _steps(KILL_AT_STEP)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_hook_for_tests(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """Rank 1's loss times NaN at the steps listed in SHARDWISE_TEST_NAN_AT_STEPS."""
+    if NAN_AT_STEPS in os.environ and rank == _HOOK_RANK and step in _steps(NAN_AT_STEPS):
+        return loss * math.nan
+    return loss

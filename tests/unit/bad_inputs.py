@@ -1,0 +1,396 @@
+"""Every knob of the public API given a bad value: the call, the value, the message it must give.
+
+These rows are the single source of docs/errors.md: `python -m tests.unit.bad_inputs
+--markdown` prints the table, and tests/unit/test_bad_input.py checks that the doc matches
+and that every row raises `ValueError` with its message (CLI rows: bad_inputs_cli.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+import shardwise as sw
+
+nan, inf = math.nan, math.inf
+# Never created: the path a load must refuse, and the only place a refused save could write.
+NO_SUCH = os.path.join(tempfile.gettempdir(), "shardwise-bad-input-no-such-dir", "ckpt")
+A_FILE = os.path.join(tempfile.gettempdir(), "shardwise-bad-input-a-file")
+
+
+def a_file() -> str:
+    """A plain file where a folder is expected (made on first use)."""
+    with open(A_FILE, "a"):
+        pass
+    return A_FILE
+
+
+@dataclass(frozen=True)
+class Case:
+    knob: str  # `function(parameter)` or `shardwise cmd --option`
+    bad: str  # the bad value as the docs show it
+    expect: str  # a fragment the error message must contain
+    call: Callable[[], Any] | None = None  # API rows
+    argv: tuple[str, ...] = ()  # CLI rows: the arguments after `shardwise`
+
+    @property
+    def id(self) -> str:
+        return f"{self.knob} {self.bad}".replace(" ", "_")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def sharded() -> nn.Module:
+    return sw.shard_model(Net())
+
+
+def _opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD(sharded().parameters(), lr=0.1)
+
+
+def api(knob: str, bad: str, expect: str, call: Callable[[], Any]) -> Case:
+    return Case(knob, bad, expect, call=call)
+
+
+def _sm(**kw: Any) -> Callable[[], Any]:
+    return lambda: sw.shard_model(Net(), **kw)
+
+
+def _fs(**kw: Any) -> Callable[[], Any]:
+    return lambda: sw.fully_shard(Net(), **kw)
+
+
+def _plan(**kw: Any) -> Callable[[], Any]:
+    kw.setdefault("world_size", 2)
+    count = kw.pop("count", 1e6)
+    return lambda: sw.plan(count, **kw)
+
+
+def _clip(*args: Any, **kw: Any) -> Callable[[], Any]:
+    return lambda: sw.clip_grad_norm_(sharded(), *args, **kw)
+
+
+def _scaler(**kw: Any) -> Callable[[], Any]:
+    return lambda: sw.ShardedGradScaler(**kw)
+
+
+P = "is not allowed"
+CASES: list[Case] = [
+    # shard_model: the four knobs, the mesh, the model
+    api("shard_model(model)", "'net'", "model='net' is not allowed", lambda: sw.shard_model("net")),
+    api("shard_model(sharding_strategy)", "'ZERO3'",
+        "sharding_strategy='ZERO3' is not one of: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+        "HYBRID_SHARD", _sm(sharding_strategy="ZERO3")),
+    api("shard_model(sharding_strategy)", "3", "sharding_strategy=3 is not one of",
+        _sm(sharding_strategy=3)),
+    api("shard_model(auto_wrap_policy)", "'blocks'",
+        "auto_wrap_policy='blocks' is not allowed; use 'transformer', 'size', None",
+        _sm(auto_wrap_policy="blocks")),
+    api("shard_model(auto_wrap_policy)", "5", "auto_wrap_policy=5 must be a string, a callable",
+        _sm(auto_wrap_policy=5)),
+    api("shard_model(auto_wrap_policy)", "'transformer' (no repeated blocks)",
+        "auto_wrap_policy='transformer' found no block classes",
+        lambda: sw.shard_model(nn.Sequential(nn.Linear(2, 2)))),
+    api("shard_model(mixed_precision)", "'int8'",
+        "mixed_precision='int8' is not allowed; use None, 'bf16', 'fp16'",
+        _sm(mixed_precision="int8")),
+    api("shard_model(mixed_precision)", "torch.bfloat16", "mixed_precision=torch.bfloat16",
+        _sm(mixed_precision=torch.bfloat16)),
+    api("shard_model(cpu_offload)", "'yes'",
+        "cpu_offload='yes' is not allowed; use True, False or sw.CPUOffloadPolicy",
+        _sm(cpu_offload="yes")),
+    api("shard_model(cpu_offload)", "1", "cpu_offload=1 is not allowed", _sm(cpu_offload=1)),
+    api("shard_model(mesh)", "'cuda'", "mesh='cuda' must be None or a 1-D or 2-D torch DeviceMesh",
+        _sm(mesh="cuda")),
+    api("shard_model(mesh)", "a 2-D mesh with FULL_SHARD", "FULL_SHARD takes a 1-D mesh; a 2-D "
+        "mesh means HYBRID_SHARD", _sm(mesh=SimpleNamespace(ndim=2))),
+    api("shard_model(mesh)", "a 1-D mesh with HYBRID_SHARD", "HYBRID_SHARD needs a 2-D "
+        "DeviceMesh (replicate, shard)",
+        _sm(sharding_strategy="HYBRID_SHARD", mesh=SimpleNamespace(ndim=1))),
+    api("shard_model(ignored_params)", "5", "ignored_params=5 is not allowed: must be None or an "
+        "iterable of torch.nn.Parameter", _sm(ignored_params=5)),
+    api("shard_model(ignored_params)", "['w']", "ignored_params holds 'w'",
+        _sm(ignored_params=["w"])),
+    # fully_shard
+    api("fully_shard(module)", "None", "fully_shard needs an nn.Module, got NoneType",
+        lambda: sw.fully_shard(None)),  # type: ignore[arg-type]
+    api("fully_shard(module)", "nn.ModuleList", "has no forward of its own",
+        lambda: sw.fully_shard(nn.ModuleList([nn.Linear(2, 2)]))),
+    api("fully_shard(module)", "(already sharded)", "is already sharded",
+        lambda: sw.fully_shard(sharded())),
+    api("fully_shard(mesh)", "3", "mesh=3 must be None or a 1-D or 2-D torch DeviceMesh",
+        _fs(mesh=3)),
+    api("fully_shard(mesh)", "object with ndim=1, no get_group", "must be None or a 1-D or 2-D "
+        "torch DeviceMesh", _fs(mesh=SimpleNamespace(ndim=1))),
+    api("fully_shard(reshard_after_forward)", "1", "reshard_after_forward=1 must be a bool",
+        _fs(reshard_after_forward=1)),
+    api("fully_shard(mp_policy)", "'bf16'", "mp_policy='bf16' must be sw.MixedPrecisionPolicy",
+        _fs(mp_policy="bf16")),
+    api("fully_shard(offload_policy)", "True", "offload_policy=True must be sw.CPUOffloadPolicy",
+        _fs(offload_policy=True)),
+    api("fully_shard(ignored_params)", "3", "ignored_params=3 is not allowed",
+        _fs(ignored_params=3)),
+    api("fully_shard(ignored_params)", "[torch.ones(2)]", "ignored_params holds tensor",
+        _fs(ignored_params=[torch.ones(2)])),
+    # policies
+    api("MixedPrecisionPolicy(param_dtype)", "'int8'", "param_dtype='int8' is not a dtype; use "
+        "one of", lambda: sw.MixedPrecisionPolicy(param_dtype="int8")),
+    api("MixedPrecisionPolicy(param_dtype)", "torch.int32",
+        "param_dtype=torch.int32 must be a floating-point dtype",
+        lambda: sw.MixedPrecisionPolicy(param_dtype=torch.int32)),
+    api("MixedPrecisionPolicy(reduce_dtype)", "5", "reduce_dtype=5 is not a dtype",
+        lambda: sw.MixedPrecisionPolicy(reduce_dtype=5)),  # type: ignore[arg-type]
+    api("MixedPrecisionPolicy(output_dtype)", "'half-ish'", "output_dtype='half-ish' is not a "
+        "dtype", lambda: sw.MixedPrecisionPolicy(output_dtype="half-ish")),  # type: ignore
+    api("MixedPrecisionPolicy(cast_forward_inputs)", "'yes'",
+        f"cast_forward_inputs='yes' {P}: must be True or False",
+        lambda: sw.MixedPrecisionPolicy(cast_forward_inputs="yes")),  # type: ignore
+    *[api(f"CPUOffloadPolicy({f})", "'no'", f"CPUOffloadPolicy.{f}='no' {P}: must be True or "
+          "False", lambda f=f: sw.CPUOffloadPolicy(**{f: "no"}))
+      for f in ("params", "grads", "optimizer_state", "pin_memory")],
+    api("size_policy(min_num_params)", "0", f"min_num_params=0 {P}: must be an int >= 1",
+        lambda: sw.size_policy(0)),
+    api("size_policy(min_num_params)", "1.5", "min_num_params=1.5", lambda: sw.size_policy(1.5)),
+    api("size_policy(min_num_params)", "True", "min_num_params=True", lambda: sw.size_policy(True)),
+    api("transformer_policy(block_classes)", "[]", "transformer_policy needs nn.Module classes",
+        lambda: sw.transformer_policy([])),
+    api("transformer_policy(block_classes)", "'Block'", f"block_classes='Block' {P}",
+        lambda: sw.transformer_policy("Block")),  # type: ignore[arg-type]
+    api("transformer_policy(block_classes)", "5", f"block_classes=5 {P}",
+        lambda: sw.transformer_policy(5)),  # type: ignore[arg-type]
+    api("transformer_policy(block_classes)", "[Block()]", "transformer_policy needs nn.Module "
+        "classes", lambda: sw.transformer_policy([Block()])),  # type: ignore[list-item]
+    # init_distributed (all fail before the environment or a process group is touched)
+    api("init_distributed(backend)", "'mpi'", "backend='mpi' must be 'gloo', 'nccl' or None",
+        lambda: sw.init_distributed(backend="mpi")),
+    api("init_distributed(timeout_s)", "0", f"timeout_s=0 {P}: must be a finite number > 0",
+        lambda: sw.init_distributed(timeout_s=0)),
+    api("init_distributed(timeout_s)", "nan", "timeout_s=nan",
+        lambda: sw.init_distributed(timeout_s=nan)),
+    api("init_distributed(timeout_s)", "'10'", "timeout_s='10'",
+        lambda: sw.init_distributed(timeout_s="10")),  # type: ignore[arg-type]
+    # clip_grad_norm_
+    api("clip_grad_norm_(model)", "'m'", f"model='m' {P}: must be a torch.nn.Module",
+        lambda: sw.clip_grad_norm_("m", 1.0)),  # type: ignore[arg-type]
+    api("clip_grad_norm_(max_norm)", "0", f"max_norm=0 {P}: must be a number > 0", _clip(0)),
+    api("clip_grad_norm_(max_norm)", "nan", "max_norm=nan", _clip(nan)),
+    api("clip_grad_norm_(max_norm)", "'1'", "max_norm='1'", _clip("1")),
+    api("clip_grad_norm_(max_norm)", "True", "max_norm=True", _clip(True)),
+    api("clip_grad_norm_(norm_type)", "0", f"norm_type=0 {P}: must be a number > 0",
+        _clip(1.0, 0)),
+    api("clip_grad_norm_(norm_type)", "'l2'", "norm_type='l2'", _clip(1.0, "l2")),
+    api("clip_grad_norm_(norm_type)", "-inf", "norm_type=-inf", _clip(1.0, -inf)),
+    api("clip_grad_norm_(error_if_nonfinite)", "'y'", f"error_if_nonfinite='y' {P}",
+        _clip(1.0, error_if_nonfinite="y")),
+    # state dicts
+    api("full_state_dict(model)", "3", f"model=3 {P}", lambda: sw.full_state_dict(3)),
+    api("full_state_dict(rank0_only)", "'yes'", f"rank0_only='yes' {P}: must be True or False",
+        lambda: sw.full_state_dict(sharded(), rank0_only="yes")),  # type: ignore[arg-type]
+    api("load_full_state_dict(model)", "None", f"model=None {P}",
+        lambda: sw.load_full_state_dict(None, {})),  # type: ignore[arg-type]
+    api("load_full_state_dict(sd)", "[1, 2]", f"sd=list {P}: must be a mapping",
+        lambda: sw.load_full_state_dict(sharded(), [1, 2])),  # type: ignore[arg-type]
+    api("load_full_state_dict(sd)", "{key: 3}", "sd['blocks.0.fc.weight']=int",
+        lambda: sw.load_full_state_dict(sharded(), {"blocks.0.fc.weight": 3})),  # type: ignore
+    api("load_full_state_dict(sd)", "{} (keys missing)", "state dict does not match the model: "
+        "missing keys", lambda: sw.load_full_state_dict(sharded(), {})),
+    api("load_full_state_dict(from_rank0)", "'yes'", f"from_rank0='yes' {P}",
+        lambda: sw.load_full_state_dict(sharded(), {}, from_rank0="yes")),  # type: ignore
+    api("load_full_state_dict(strict)", "'no'", f"strict='no' {P}",
+        lambda: sw.load_full_state_dict(sharded(), {}, strict="no")),  # type: ignore
+    # checkpoints
+    api("save_checkpoint(path)", "5", f"path=5 {P}: must be a non-empty str or os.PathLike",
+        lambda: sw.save_checkpoint(5, sharded())),  # type: ignore[arg-type]
+    api("save_checkpoint(path)", "''", f"path='' {P}", lambda: sw.save_checkpoint("", sharded())),
+    api("save_checkpoint(path)", "(a file)", "exists and is not a directory",
+        lambda: sw.save_checkpoint(a_file(), sharded())),
+    api("save_checkpoint(model)", "'m'", f"model='m' {P}",
+        lambda: sw.save_checkpoint(NO_SUCH, "m")),  # type: ignore[arg-type]
+    api("save_checkpoint(optimizer)", "'adam'", f"optimizer='adam' {P}: must be a "
+        "torch.optim.Optimizer or None", lambda: sw.save_checkpoint(NO_SUCH, sharded(), "adam")),
+    api("save_checkpoint(step)", "'3'", "step='3' must be an int >= 0 or None",
+        lambda: sw.save_checkpoint(NO_SUCH, sharded(), step="3")),  # type: ignore[arg-type]
+    api("save_checkpoint(step)", "-1", "step=-1", lambda: sw.save_checkpoint(
+        NO_SUCH, sharded(), step=-1)),
+    api("save_checkpoint(step)", "True", "step=True", lambda: sw.save_checkpoint(
+        NO_SUCH, sharded(), step=True)),
+    api("save_checkpoint(extra)", "{1, 2}", "extra must be JSON-serializable",
+        lambda: sw.save_checkpoint(NO_SUCH, sharded(), extra={1, 2})),
+    api("save_checkpoint(allow_nonfinite)", "'no'", f"allow_nonfinite='no' {P}",
+        lambda: sw.save_checkpoint(NO_SUCH, sharded(), allow_nonfinite="no")),  # type: ignore
+    api("load_checkpoint(path)", "(no such folder)", f"{P}: no checkpoint directory there",
+        lambda: sw.load_checkpoint(NO_SUCH, sharded())),
+    api("load_checkpoint(path)", "None", f"path=None {P}",
+        lambda: sw.load_checkpoint(None, sharded())),  # type: ignore[arg-type]
+    api("load_checkpoint(model)", "'m'", f"model='m' {P}",
+        lambda: sw.load_checkpoint(NO_SUCH, "m")),  # type: ignore[arg-type]
+    api("load_checkpoint(optimizer)", "3", f"optimizer=3 {P}",
+        lambda: sw.load_checkpoint(NO_SUCH, sharded(), 3)),  # type: ignore[arg-type]
+    api("load_checkpoint(verify)", "'yes'", f"verify='yes' {P}",
+        lambda: sw.load_checkpoint(NO_SUCH, sharded(), verify="yes")),  # type: ignore
+    api("export_safetensors(path)", "''", f"path='' {P}",
+        lambda: sw.export_safetensors("", sharded())),
+    api("export_safetensors(path)", "(a file)", f"{P}: it is a file; give a folder",
+        lambda: sw.export_safetensors(a_file(), sharded())),
+    api("export_safetensors(path)", "5", f"path=5 {P}",
+        lambda: sw.export_safetensors(5, sharded())),  # type: ignore[arg-type]
+    api("export_safetensors(model)", "'m'", f"model='m' {P}",
+        lambda: sw.export_safetensors(NO_SUCH, "m")),  # type: ignore[arg-type]
+    api("export_safetensors(max_shard_bytes)", "0", "max_shard_bytes=0 must be a positive int",
+        lambda: sw.export_safetensors(NO_SUCH, sharded(), max_shard_bytes=0)),
+    api("export_safetensors(max_shard_bytes)", "1.5", "max_shard_bytes=1.5",
+        lambda: sw.export_safetensors(NO_SUCH, sharded(), max_shard_bytes=1.5)),  # type: ignore
+    # no_sync, materialize, precision_plan
+    api("no_sync(model)", "'m'", f"model='m' {P}", lambda: sw.no_sync("m").__enter__()),
+    api("no_sync(model)", "(not sharded)", "no_sync needs a sharded model",
+        lambda: sw.no_sync(Net()).__enter__()),
+    api("materialize(model)", "(not sharded)", "materialize needs a sharded model",
+        lambda: sw.materialize(Net())),
+    api("materialize(init_fn)", "3", f"init_fn=3 {P}: must be a callable",
+        lambda: sw.materialize(sharded(), 3)),  # type: ignore[arg-type]
+    api("materialize(seed)", "1.5", f"seed=1.5 {P}: must be an int",
+        lambda: sw.materialize(sharded(), seed=1.5)),  # type: ignore[arg-type]
+    api("precision_plan(model)", "(not sharded)", "is not sharded",
+        lambda: sw.precision_plan(Net())),
+    # ShardedGradScaler
+    api("ShardedGradScaler(init_scale)", "0", f"init_scale=0 {P}: must be a finite number > 0",
+        _scaler(init_scale=0)),
+    api("ShardedGradScaler(init_scale)", "inf", "init_scale=inf", _scaler(init_scale=inf)),
+    api("ShardedGradScaler(init_scale)", "'1'", "init_scale='1'", _scaler(init_scale="1")),
+    api("ShardedGradScaler(growth_factor)", "1", f"growth_factor=1 {P}: must be a finite number "
+        "> 1.0", _scaler(growth_factor=1)),
+    api("ShardedGradScaler(growth_factor)", "nan", "growth_factor=nan", _scaler(growth_factor=nan)),
+    api("ShardedGradScaler(backoff_factor)", "1", f"backoff_factor=1 {P}: must be a finite number "
+        "> 0 and < 1.0", _scaler(backoff_factor=1)),
+    api("ShardedGradScaler(growth_interval)", "0", f"growth_interval=0 {P}: must be an int >= 1",
+        _scaler(growth_interval=0)),
+    api("ShardedGradScaler(growth_interval)", "1.5", "growth_interval=1.5",
+        _scaler(growth_interval=1.5)),
+    api("ShardedGradScaler(enabled)", "'no'", f"enabled='no' {P}", _scaler(enabled="no")),
+    # plan
+    api("plan(model_or_param_count)", "-5", "model_or_param_count=-5 must be an nn.Module",
+        _plan(count=-5)),
+    api("plan(model_or_param_count)", "inf", "model_or_param_count=inf", _plan(count=inf)),
+    api("plan(model_or_param_count)", "'7b'", "model_or_param_count='7b'", _plan(count="7b")),
+    api("plan(world_size)", "0", f"world_size=0 {P}: must be an int >= 1", _plan(world_size=0)),
+    api("plan(world_size)", "True", "world_size=True", _plan(world_size=True)),
+    api("plan(sharding_strategy)", "'X'", "sharding_strategy='X' is not one of",
+        _plan(sharding_strategy="X")),
+    api("plan(auto_wrap_policy)", "'blocks'", "auto_wrap_policy='blocks'",
+        _plan(auto_wrap_policy="blocks")),
+    api("plan(mixed_precision)", "'int8'", "mixed_precision='int8' is not allowed",
+        _plan(mixed_precision="int8")),
+    api("plan(optimizer)", "'lion'", "optimizer='lion' is not one of: adamw, adam",
+        _plan(optimizer="lion")),
+    api("plan(cpu_offload)", "'y'", "cpu_offload='y' is not allowed", _plan(cpu_offload="y")),
+    api("plan(batch_size)", "0", "batch_size=0 must be a positive int or None",
+        _plan(batch_size=0)),
+    api("plan(batch_size)", "True", "batch_size=True", _plan(batch_size=True)),
+    api("plan(seq_len)", "2.5", "seq_len=2.5 must be a positive int", _plan(seq_len=2.5)),
+    api("plan(activation_checkpointing)", "'yes'", f"activation_checkpointing='yes' {P}",
+        _plan(activation_checkpointing="yes")),
+    api("plan(device)", "'tpu'", "device='tpu' is not one of: a100-40gb", _plan(device="tpu")),
+    api("plan(interconnect)", "'wifi'", "interconnect='wifi' is not one of: nvlink",
+        _plan(interconnect="wifi")),
+    api("plan(interconnect)", "3", "interconnect=3", _plan(interconnect=3)),
+    api("plan(shape)", "{'layers': 2}", "shape has unknown keys ['layers']",
+        _plan(shape={"layers": 2})),
+    api("plan(shape)", "[1]", "shape=[1] must be a TransformerShape, a dict or None",
+        _plan(shape=[1])),
+    api("plan(ranks_per_node)", "0", f"ranks_per_node=0 {P}: must be an int >= 1",
+        _plan(ranks_per_node=0)),
+    api("plan(ranks_per_node)", "3 (world 4, HYBRID_SHARD)", "ranks_per_node=3 does not divide",
+        _plan(world_size=4, ranks_per_node=3, sharding_strategy="HYBRID_SHARD")),
+    api("plan(rank)", "2 (world 2)", f"rank=2 {P}: must be an int in [0, 1]", _plan(rank=2)),
+    api("plan(rank)", "'0'", "rank='0'", _plan(rank="0")),
+]
+
+# On 2 ranks: each call fails on every rank, and the ranks stay in step (no rank is left
+# inside a collective the other never joined). load_full_state_dict is bad on rank 1 only.
+DIST_EXPECT = {
+    "shard_model": "sharding_strategy='ZERO3'",
+    "clip_grad_norm_": "max_norm=nan",
+    "full_state_dict": "rank0_only='yes'",
+    "save_checkpoint": "step=-1",
+    "load_checkpoint": "no checkpoint directory there",
+    "export_safetensors": "max_shard_bytes=0",
+    "load_full_state_dict": "state dict does not match the model",
+}
+
+
+def dist_worker(rank: int, world: int, tmp: str) -> list[tuple[str, str, str]]:
+    import torch.distributed as dist
+
+    model = sharded()
+    good = sw.full_state_dict(model)
+    calls: dict[str, Callable[[], Any]] = {
+        "shard_model": _sm(sharding_strategy="ZERO3"),
+        "clip_grad_norm_": lambda: sw.clip_grad_norm_(model, nan),
+        "full_state_dict": lambda: sw.full_state_dict(model, rank0_only="yes"),  # type: ignore
+        "save_checkpoint": lambda: sw.save_checkpoint(os.path.join(tmp, "c"), model, step=-1),
+        "load_checkpoint": lambda: sw.load_checkpoint(os.path.join(tmp, "none"), model),
+        "export_safetensors": lambda: sw.export_safetensors(tmp, model, max_shard_bytes=0),
+        "load_full_state_dict": lambda: sw.load_full_state_dict(model, good if rank == 0 else {}),
+    }
+    out = []
+    for name, fn in calls.items():
+        try:
+            fn()
+            out.append((name, "no error", ""))
+        except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+            out.append((name, "ValueError" if isinstance(e, ValueError) else type(e).__name__,
+                        str(e)))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+    return out
+
+
+def markdown(cases: list[Case]) -> str:
+    rows = ["| knob / option | bad value | error (key part) |", "|---|---|---|"]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for c in cases:
+        # Paths differ from machine to machine; the doc must not.
+        bad, expect = (t.replace(NO_SUCH, "/no/such/dir").replace(repo, "<repo>")
+                       .replace("|", "\\|") for t in (c.bad, c.expect))
+        rows.append(f"| `{c.knob}` | `{bad}` | {expect} |")
+    return "\n".join(rows) + "\n"
+
+
+def all_cases() -> list[Case]:
+    from .bad_inputs_cli import CLI_CASES
+
+    return CASES + CLI_CASES
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m tests.unit.bad_inputs --markdown")
+    print(markdown(all_cases()), end="")

@@ -1,0 +1,184 @@
+"""Every CLI option given a bad value: exit status 2 and `shardwise <cmd>: error: <message>`.
+
+Rows of the same table as bad_inputs.py (docs/errors.md is generated from both).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .bad_inputs import NO_SUCH, Case
+
+NOT_TOML = str(Path(__file__).resolve().parents[2] / "src" / "shardwise" / "__init__.py")
+A_FILE = NOT_TOML
+
+
+def cli(argv: str | list[str], bad: str, expect: str, knob: str | None = None) -> Case:
+    args = tuple(argv.split()) if isinstance(argv, str) else tuple(argv)
+    if knob is None:
+        # The option under test is the last one given (earlier ones only make a valid call).
+        opt = next((a.split("=")[0] for a in reversed(args[1:]) if a.startswith("--")), "")
+        knob = f"shardwise {args[0]} {opt}".strip()
+    return Case(knob, bad, expect, argv=args)
+
+
+def train(key: str, bad: str, expect: str) -> Case:
+    return cli(["train", f"--{key}", bad], bad, expect)
+
+
+NA = "is not allowed"
+TRAIN_CASES = [
+    train("name", "a/b", "name='a/b' must be a plain folder name"),
+    train("out_dir", A_FILE, f"out_dir='{A_FILE}' {NA}: must be a folder"),
+    train("nproc", "-1", "nproc=-1 must be >= 0"),
+    train("resume", "maybe", "resume='maybe' is not a valid bool"),
+    train("overwrite", "2", "overwrite='2' is not a valid bool"),
+    train("threads", "-1", "threads=-1 must be >= 0"),
+    train("trace", "maybe", "trace='maybe' is not a valid bool"),
+    train("max_restarts", "-1", "max_restarts=-1 must be >= 0"),
+    train("model.preset", "huge", "model.preset='huge' is not one of: tiny"),
+    train("model.n_layer", "-1", "model.n_layer=-1 must be >= 0"),
+    train("model.d_model", "abc", "model.d_model='abc' is not a valid int"),
+    train("model.n_head", "7", "n_head=7 must divide d_model"),
+    train("model.block_size", "-1", "model.block_size=-1 must be >= 0"),
+    train("data.path", NO_SUCH, f"data.path='{NO_SUCH}' does not exist"),
+    train("data.max_bytes", "0", "data.max_bytes=0 must be > 0"),
+    train("data.val_fraction", "0.9", "data.val_fraction=0.9 must be in (0, 0.5)"),
+    train("data.val_fraction", "nan", f"data.val_fraction=nan {NA}: must be a finite float"),
+    train("data.seed", "x", "data.seed='x' is not a valid int"),
+    train("train.steps", "0", "train.steps=0 must be > 0"),
+    train("train.steps", "1.5", "train.steps='1.5' is not a valid int"),
+    train("train.batch_size", "0", "train.batch_size=0 must be > 0"),
+    train("train.grad_accum", "0", "train.grad_accum=0 must be > 0"),
+    train("train.lr", "inf", f"train.lr=inf {NA}: must be a finite float"),
+    train("train.lr", "0", "train.lr=0.0 must be > 0"),
+    train("train.min_lr", "1", "train.min_lr=1.0 must be <= train.lr"),
+    train("train.warmup_steps", "-1", "train.warmup_steps=-1 must be >= 0"),
+    train("train.schedule", "step", "train.schedule='step' is not one of: cosine, linear, "
+          "constant"),
+    train("train.weight_decay", "-0.1", "train.weight_decay=-0.1 must be >= 0"),
+    train("train.beta1", "1", "train.beta1=1.0 must be in [0, 1)"),
+    train("train.beta2", "nan", f"train.beta2=nan {NA}: must be a finite float"),
+    train("train.grad_clip", "-1", "train.grad_clip=-1.0 must be >= 0"),
+    train("train.seed", "x", "train.seed='x' is not a valid int"),
+    train("train.eval_interval", "-1", "train.eval_interval=-1 must be >= 0"),
+    train("train.eval_batches", "0", "train.eval_batches=0 must be > 0"),
+    train("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore' is not one of: stop, skip"),
+    train("train.max_skipped_steps", "-1", "train.max_skipped_steps=-1 must be >= 0"),
+    train("shard.sharding_strategy", "ZERO3", "shard.sharding_strategy='ZERO3' is not one of: "
+          "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD"),
+    train("shard.auto_wrap_policy", "blocks", "shard.auto_wrap_policy='blocks' is not one of: "
+          "transformer, size, none"),
+    train("shard.mixed_precision", "int8", "shard.mixed_precision='int8' is not one of: fp32, "
+          "bf16, fp16"),
+    train("shard.cpu_offload", "maybe", "shard.cpu_offload='maybe' is not a valid bool"),
+    train("checkpoint.interval", "-1", "checkpoint.interval=-1 must be >= 0"),
+    train("checkpoint.keep", "0", "checkpoint.keep=0 must be > 0"),
+    train("log.event_steps", "-2", "log.event_steps=-2 must be >= -1"),
+    train("log.sample_tokens", "-1", "log.sample_tokens=-1 must be >= 0"),
+    train("log.sample_prompt", "", "log.sample_prompt must not be empty"),
+    train("log.trace_steps", "0", "log.trace_steps=0 must be > 0"),
+    train("log.trace_after", "-1", "log.trace_after=-1 must be >= 0"),
+    cli(["train", "--config", NO_SUCH], "(no such file)", f"config file '{NO_SUCH}' does not "
+        "exist"),
+    cli(["train", "--config", NOT_TOML], "(not TOML)", "is not valid TOML"),
+    cli("train --train.lrr 1", "--train.lrr", "unknown option 'train.lrr'; did you mean train.lr",
+        knob="shardwise train (unknown option)"),
+    cli("train steps", "steps", "unexpected argument 'steps'",
+        knob="shardwise train (positional)"),
+    cli("train --train.steps", "(no value)", "--train.steps needs a value",
+        knob="shardwise train --train.steps"),
+    cli("train --resume --overwrite", "both", "--resume and --overwrite contradict each other",
+        knob="shardwise train --resume --overwrite"),
+]
+
+IGNORED = "ignored explicit argument 'yes'"
+PLAN_CASES = [
+    cli("plan --params -5", "-5", f"--params=-5.0 {NA}: must be a finite number >= 1"),
+    cli("plan --params inf", "inf", "--params=inf"),
+    cli("plan --params 7b", "7b", "argument --params: invalid float value: '7b'"),
+    cli("plan --model huge", "huge", "model preset 'huge' is not one of: tiny"),
+    cli("plan --model tiny --params 1e9", "both", "not allowed with argument",
+        knob="shardwise plan --model --params"),
+    cli("plan", "(neither)", "give --params N or --model PRESET", knob="shardwise plan (no model)"),
+    cli("plan --params 1e9 --world-size 0", "0", f"--world-size=0 {NA}: must be >= 1"),
+    cli("plan --params 1e9 --strategy ZERO3", "ZERO3", "--strategy='ZERO3' is not one of: "
+        "FULL_SHARD"),
+    cli("plan --params 1e9 --mixed-precision int8", "int8", "mixed_precision='int8' is not "
+        "allowed"),
+    cli("plan --params 1e9 --optimizer lion", "lion", "optimizer='lion' is not one of"),
+    cli("plan --params 1e9 --device tpu", "tpu", "device='tpu' is not one of"),
+    cli("plan --params 1e9 --interconnect wifi", "wifi", "interconnect='wifi' is not one of"),
+    cli("plan --params 1e9 --ranks-per-node 0", "0", "--ranks-per-node=0"),
+    cli("plan --params 1e9 --batch-size 0", "0", "--batch-size=0"),
+    cli("plan --params 1e9 --seq-len -1", "-1", "--seq-len=-1"),
+    cli("plan --params 1e9 --activation-checkpointing=yes", "yes", IGNORED),
+    cli("plan --params 1e9 --cpu-offload=yes", "yes", IGNORED),
+    cli("plan --params 1e9 --wrap size", "size", "argument --wrap: invalid choice: 'size'"),
+    cli("plan --params 1e9 --layers 0", "0", "--layers=0"),
+    cli("plan --params 1e9 --hidden -1", "-1", "--hidden=-1"),
+    cli("plan --params 1e9 --heads x", "x", "argument --heads: invalid int value: 'x'"),
+    cli("plan --params 1e9 --vocab 0", "0", "--vocab=0"),
+    cli("plan --params 1e9 --layers 2", "(no --hidden/--heads)", "a shape needs --layers, "
+        "--hidden and --heads", knob="shardwise plan --layers (alone)"),
+    cli("plan --params 1e9 --calibrate=yes", "yes", IGNORED),
+    cli("plan --calibrate --nproc 0", "0", "--nproc=0"),
+    cli("plan --params 1e9 --json=yes", "yes", IGNORED),
+    cli("plan --params 1e9 --world-sise 8", "--world-sise", "unrecognized arguments",
+        knob="shardwise plan (unknown option)"),
+]
+
+BENCH_CASES = [
+    cli("bench --preset huge", "huge", f"--preset='huge' {NA}: use bench30m or one of"),
+    *[cli(f"bench --{f} 0", "0", f"--{f}=0 {NA}: must be >= 1")
+      for f in ("batch-size", "seq-len", "nproc", "rounds", "steps", "threads")],
+    cli("bench --systems deepspeed", "deepspeed", f"--systems='deepspeed' {NA}: give a "
+        "comma-separated subset of"),
+    cli(["bench", "--systems", ""], "''", f"--systems='' {NA}"),
+    cli("bench --scaling=yes", "yes", IGNORED),
+    cli("bench --no-memory=yes", "yes", IGNORED),
+    cli(["bench", "--json", f"{NO_SUCH}/out.json"], "(folder missing)", f"{NA}: its folder "
+        "does not exist"),
+]
+
+EXPLORE_CASES = [
+    cli("explore --host no.such.host.invalid", "no.such.host.invalid",
+        f"--host='no.such.host.invalid' {NA}"),
+    cli("explore --port 70000", "70000", f"--port=70000 {NA}: must be in [0, 65535]"),
+    cli("explore --port -1", "-1", f"--port=-1 {NA}: must be >= 0"),
+    cli("explore --no-browser=yes", "yes", IGNORED),
+    cli(["explore", "--replay", NO_SUCH], "(no such folder)", "no such run folder"),
+    cli("explore --seed x", "x", "argument --seed: invalid int value: 'x'"),
+    cli("explore --step-interval nan", "nan", f"--step-interval=nan {NA}: must be a finite "
+        "number >= 0"),
+    cli("explore --step-interval -1", "-1", "--step-interval=-1.0"),
+    cli("explore --world-size 5", "5", f"--world-size=5 {NA}: must be in [1, 4]"),
+]
+
+EXPORT_CASES = [
+    cli(["export", NO_SUCH, "out"], "(no such folder)", f"checkpoint='{NO_SUCH}' {NA}: no "
+        "such directory", knob="shardwise export CHECKPOINT"),
+    cli(["export", str(Path(NOT_TOML).parent), ""], "''", f"out='' {NA}",
+        knob="shardwise export OUT"),
+    cli(["export", str(Path(NOT_TOML).parent), NOT_TOML], "(a file)", f"out='{NOT_TOML}' {NA}",
+        knob="shardwise export OUT"),
+    cli("export", "(missing)", "the following arguments are required: checkpoint, out",
+        knob="shardwise export (no arguments)"),
+    cli("export ckpt out --max-shard-size 0", "0", "'0' must be at least 1 byte"),
+    cli("export ckpt out --max-shard-size 5XB", "5XB", "'5XB' is not a size"),
+    cli("export ckpt out --no-verify=yes", "yes", IGNORED),
+]
+
+DEMO_CASES = [
+    cli("demo --nproc 0", "0", f"--nproc=0 {NA}: must be >= 1"),
+    cli("demo --steps 0", "0", f"--steps=0 {NA}: must be >= 1"),
+    cli("demo --steps x", "x", "argument --steps: invalid int value: 'x'"),
+]
+
+TOP_CASES = [
+    Case("shardwise COMMAND", "fit", "unknown command 'fit'; choose one of: train, plan",
+         argv=("fit",)),
+]
+
+CLI_CASES = (TRAIN_CASES + PLAN_CASES + BENCH_CASES + EXPLORE_CASES + EXPORT_CASES
+             + DEMO_CASES + TOP_CASES)
