@@ -33,6 +33,7 @@ FINGERPRINT_BYTES = 256
 _DIGEST = 16
 
 _forced: bool | None = None
+_from_env: bool | None = None
 _sequence: dict[int, int] = {}
 
 
@@ -56,9 +57,12 @@ def set_debug(enabled: bool) -> None:
 
 
 def debug_enabled() -> bool:
+    global _from_env
     if _forced is not None:
         return _forced
-    return os.environ.get("SHARDWISE_DEBUG", "") not in ("", "0")
+    if _from_env is None:  # read once, at the first collective: launchers set it before
+        _from_env = os.environ.get("SHARDWISE_DEBUG", "") not in ("", "0")
+    return _from_env
 
 
 def describe(op: str, label: str, tensor: torch.Tensor | None) -> str:

@@ -2,8 +2,8 @@
 
 Every rank must take the same decision, or the ranks that step and the ranks that do not
 would wait for each other in different collectives. The gradient norm from
-`sw.clip_grad_norm_` is already the same on every rank; the loss is each rank's own, so it is
-summed over ranks (one tiny all-reduce per step) before it is looked at.
+`sw.clip_grad_norm_` is already the same on every rank; the trainer passes the mean loss over
+ranks from the all-gather it already makes for its step log.
 
 Also the trainer's test hooks (environment variables named SHARDWISE_TEST_*), read only when
 set, so the e2e tests can make one rank produce a NaN loss or die at a chosen step.
@@ -17,8 +17,6 @@ import os
 import signal
 
 import torch
-
-from ..engine import collectives as C
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +48,6 @@ class NonFiniteGuard:
         self.scaler_handles_grads = scaler_handles_grads
         self.skipped = 0  # steps skipped in the whole run (this process)
         self.in_a_row = 0
-
-    def agreed_loss(self, loss_sum: torch.Tensor, grad_accum: int) -> float:
-        """The mean loss over ranks and micro-batches: NaN/inf on every rank if on any."""
-        total = loss_sum.detach().to(torch.float64).reshape(1).clone()
-        world = C.world_size() if C.is_initialized() else 1
-        if world > 1:
-            C.all_reduce(total, None, op="sum", label="non-finite check (loss)")
-        return total.item() / (world * grad_accum)
 
     def check(self, step: int, loss: float, grad_norm: float) -> bool:
         """True: apply the step. False: skip it. Raises NonFiniteError to stop the run."""

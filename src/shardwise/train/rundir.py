@@ -147,8 +147,9 @@ def resolve_name(cfg: Config) -> Config:
     return cfg
 
 
-def prepare(cfg: Config) -> Path:
-    """Create (or, for --overwrite, recreate) the run folder and write config.toml.
+def prepare(cfg: Config) -> Config:
+    """Create (or, for --overwrite, recreate) the run folder and write config.toml; return
+    the resolved config (its `name`, and `resume` as a torchelastic restart decided it).
 
     On --resume the folder is kept, except that metrics after the resumed checkpoint are
     dropped: they belong to steps that are about to be run again.
@@ -165,7 +166,7 @@ def prepare(cfg: Config) -> Path:
     saved = dataclasses.replace(cfg, resume=False, overwrite=False)
     job = job_id()
     (run / "config.toml").write_text((f"{_JOB_LINE}{job}\n" if job else "") + dumps_toml(saved))
-    return run
+    return cfg
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -90,8 +90,8 @@ def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> tuple[Path,
     box: list[Any] = [None]
     if rank == 0:
         try:
-            cfg = rundir.for_restart(cfg)
-            box[0] = (str(rundir.prepare(cfg)), cfg.resume)
+            ready = rundir.prepare(cfg)
+            box[0] = (str(Path(ready.out_dir).expanduser() / ready.name), ready.resume)
         except (ValueError, OSError) as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
@@ -312,18 +312,20 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
             loss_sum += loss.detach()
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
         norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf)
-        # Decided alike on every rank, before anything is applied: a stop raises here, so
-        # no checkpoint is ever saved after a non-finite step.
-        applied = guard.check(step, guard.agreed_loss(loss_sum, t.grad_accum), norm.item())
+        # Every rank's loss (and memory) in one small all-gather, so the mean loss, NaN if
+        # any rank's is, is the same on every rank before anything is applied.
+        per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
+        loss_mean = sum(r[0] for r in per_rank) / world
+        # Decided alike on every rank: a stop raises here, so no checkpoint is ever saved
+        # after a non-finite step.
+        applied = guard.check(step, loss_mean, norm.item())
         # False when skipped, or when fp16 gradients overflowed on any rank.
         stepped = scaler.step(opt) if applied else False
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
         dt = time.perf_counter() - t0
         if step > start + 1:  # the first step pays for lazy initialization: not timed
             timed_tokens, timed_s = timed_tokens + tokens_per_step, timed_s + dt
-        loss_mean = sum(r[0] for r in per_rank) / world
         if applied:  # a skipped step's NaN would make the summary's losses NaN
             losses.append(loss_mean)
         record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": norm.item(),
