@@ -49,7 +49,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
 def _run_then_finish(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)`, then the clean teardown of the process group `fn` set up (if any).
 
-    See [Note: gloo teardown] in shardwise.engine.collectives: a worker process that exits
+    See [Note: gloo teardown] in shardwise.engine.process_group: a worker process that exits
     straight after its last collective can abort.
     """
     value = fn(*args)

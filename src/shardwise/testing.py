@@ -37,14 +37,11 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tupl
         import torch
 
         torch.set_num_threads(1)  # N ranks share few cores: no oversubscription
-        import torch.distributed as dist
-
-        from shardwise.engine import distributed
+        from shardwise.engine import collectives, distributed
 
         distributed.init_distributed(backend, timeout_s=coll_timeout_s)
         value = fn(rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        collectives.finish()
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))

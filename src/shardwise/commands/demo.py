@@ -17,6 +17,7 @@ def make_mlp() -> nn.Module:
 
 def worker(steps: int) -> dict:
     import shardwise as sw
+    from shardwise.engine import collectives
     from shardwise.engine.fully_shard import named_sharded_params
 
     torch.set_num_threads(1)
@@ -41,7 +42,7 @@ def worker(steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
+        collectives.all_reduce(mean, None, label="demo loss")
         losses.append(mean.item() / world)
     return {"rank": rank, "world": world, "total": total, "held": held, "losses": losses}
 

@@ -7,6 +7,7 @@ an existing torchrun (single- or multi-node) the command just runs on its rank. 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -183,30 +184,35 @@ def main(argv: list[str]) -> int:
     return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 
+def _config_from_dict(d: dict[str, Any]) -> C.Config:
+    """Rebuild the Config that rank 0 resolved (sent as JSON: nothing pickles between ranks)."""
+    sections = {f.name: f.type for f in dataclasses.fields(C.Config) if f.name in C.SECTIONS}
+    classes = {name: getattr(C, f"{name.capitalize()}Section") for name in sections}
+    return C.Config(**{k: (classes[k](**v) if k in classes else v) for k, v in d.items()})
+
+
 def _under_torchrun(argv: list[str]) -> int:
     """Rank 0 resolves the config (and the run folder's name); every rank gets its answer.
 
     Resolving on every rank would race: rank 0 creates the folder that another rank's
     "never overwrite" check then finds.
     """
-    import torch.distributed as dist
-
     import shardwise as sw
     from shardwise.engine import collectives
 
     rank, _, _ = sw.init_distributed()
-    box: list[Any] = [None]
+    answer: dict[str, Any] = {}
     if rank == 0:
         try:
-            box[0] = load_config(argv)
+            answer = {"config": dataclasses.asdict(load_config(argv))}
         except ValueError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], ValueError):
+            answer = {"error": str(e)}
+    answer = collectives.broadcast_json(answer, src=0)
+    if "error" in answer:
         if rank == 0:
-            print(f"shardwise train: error: {box[0]}", file=sys.stderr)
-        dist.destroy_process_group()
+            print(f"shardwise train: error: {answer['error']}", file=sys.stderr)
+        collectives.finish()
         return 2
-    result = worker(box[0])
+    result = worker(_config_from_dict(answer["config"]))
     collectives.finish()
     return int(result.get("exit_code", 0))

@@ -7,7 +7,6 @@ units and parameters; everything here talks about flat buffers and process group
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +17,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import debug as D
+from . import process_group as PG
+from .process_group import destroy_process_group, finish, init_process_group, is_initialized
+
+__all__ = ["destroy_process_group", "finish", "init_process_group", "is_initialized"]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,13 +64,10 @@ class _Issued(NamedTuple):
     start: float
 
     def failure(self, cause: BaseException) -> D.CollectiveError:
+        PG.mark_failed()
         return D.failure(D.describe(self.op, self.label, self.tensor), self.seq,
-                         group_ranks(self.group), _timeout_s, time.perf_counter() - self.start,
-                         cause)
-
-
-_timeout_s: float | None = None
-
+                         group_ranks(self.group), PG.timeout_s,
+                         time.perf_counter() - self.start, cause)
 
 
 def _key(group: ProcessGroup | None) -> int:
@@ -86,6 +86,7 @@ def group_ranks(group: ProcessGroup | None) -> list[int]:
 def _issue(op: str, label: str, group: ProcessGroup | None, tensor: torch.Tensor | None,
            call: Callable[[], Any]) -> tuple[Any, _Issued]:
     """Check (debug mode), then run `call`; a backend failure becomes a CollectiveError."""
+    PG.communicating()
     seq = None
     if D.debug_enabled() and is_initialized() and world_size(group) > 1:
         seq = D.next_sequence(_key(group))
@@ -100,11 +101,15 @@ def _issue(op: str, label: str, group: ProcessGroup | None, tensor: torch.Tensor
         raise issued.failure(e) from e
 
 
+# Every tensor given to torch.distributed goes through this: see [Note: gloo teardown].
+_h = PG.handoff
+
+
 def _exchange(fingerprint: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     device = _byte_device(group)
     mine = fingerprint.to(device)
     out = torch.empty(world_size(group) * mine.numel(), dtype=torch.uint8, device=device)
-    _all_gather_flat(out, mine, group=group)
+    _all_gather_flat(_h(out), _h(mine), group=group)
     return out.view(world_size(group), -1).cpu()
 
 
@@ -120,10 +125,6 @@ def use_all_to_all(group: ProcessGroup | None) -> bool:
     SHARDWISE_GLOO_NATIVE=1 selects gloo's native ones (the tests check both agree).
     """
     return backend(group) == "gloo" and os.environ.get("SHARDWISE_GLOO_NATIVE", "") != "1"
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def rank(group: ProcessGroup | None = None) -> int:
@@ -142,62 +143,6 @@ def global_rank_of(group: ProcessGroup | None, group_rank: int) -> int:
 
 def backend(group: ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
-
-
-def init_process_group(backend_name: str, timeout_s: float) -> None:
-    global _timeout_s
-    _timeout_s = timeout_s
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend_name, timeout=timeout, **_restart_store(timeout))
-
-
-def _restart_store(timeout: datetime.timedelta) -> dict[str, Any]:
-    """A store of this attempt's own keys, after a single-node torchelastic restart.
-
-    [Note: restart store] torchrun's workers share the agent's TCPStore, which outlives a
-    restart with every key the failed attempt wrote. A restarted rank can then read a dead
-    peer's address and fail to connect (gloo: "connectFullMesh failed ... Connection
-    refused"; pytorch/pytorch#135712). Prefixing by TORCHELASTIC_RESTART_COUNT isolates the
-    attempts; it is only safe with one agent, since agents of a multi-node job count
-    restarts differently (there, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
-    """
-    env = os.environ
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0
-            or env.get("WORLD_SIZE") != env.get("LOCAL_WORLD_SIZE")):
-        return {}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    return {"store": dist.PrefixStore(f"shardwise/restart-{attempt}/", store),
-            "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
-
-
-def destroy_process_group() -> None:
-    if is_initialized():
-        dist.destroy_process_group()
-
-
-def finish() -> None:
-    """End a run that went well: every rank waits for the others, then tears down.
-
-    [Note: gloo teardown] A gloo worker thread drops its reference to a finished collective
-    after the caller has already been woken. When that reference is the last one to a tensor
-    Python also knew, the drop needs the GIL; if the main thread is by then finalizing the
-    interpreter, the worker thread is exited mid-destructor and the process aborts
-    ("terminate called without an active exception", seen on CI in a 2-node run).
-    The barrier means no rank tears down while a peer is still in a collective, and every
-    collective of this rank has completed. Gloo can still hold the last reference to a finished
-    work for a moment (a barrier keeps the works in flight when it was issued, and drops them
-    on its worker thread): the short sleep, with the GIL released, lets those drops finish.
-    """
-    if not is_initialized():
-        return
-    barrier(label="end of run")
-    dist.destroy_process_group()
-    time.sleep(_DRAIN_S)
-
-
-_DRAIN_S = 0.1
 
 
 def new_groups_2d(replicate: int, shard: int) -> tuple[ProcessGroup, ProcessGroup]:
@@ -240,7 +185,7 @@ def all_gather(
     """
     if not use_all_to_all(group):
         handle, issued = _issue("all_gather", label, group, shard, lambda: _all_gather_flat(
-            output, shard, group=group, async_op=async_op))
+            _h(output), _h(shard), group=group, async_op=async_op))
         return Work(handle if async_op else None, output, None, issued)
     S, n = world_size(group), shard.numel()
     send = scratch if scratch is not None else torch.empty(S * n, dtype=shard.dtype,
@@ -250,7 +195,7 @@ def all_gather(
         rows[0].copy_(shard)
     rows[1:].copy_(rows[0].expand(S - 1, n))
     handle, issued = _issue("all_gather", label, group, shard, lambda: dist.all_to_all_single(
-        output, send, group=group, async_op=async_op))
+        _h(output), _h(send), group=group, async_op=async_op))
     return Work(handle if async_op else None, output, None, issued)
 
 
@@ -269,12 +214,12 @@ def reduce_scatter_sum(
     """
     if not use_all_to_all(group):
         handle, issued = _issue("reduce_scatter", label, group, full, lambda: _reduce_scatter_flat(
-            output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+            _h(output), _h(full), op=dist.ReduceOp.SUM, group=group, async_op=async_op))
         return Work(handle if async_op else None, output, None, issued)
     S = world_size(group)
     recv = scratch if scratch is not None else torch.empty_like(full)
     handle, issued = _issue("reduce_scatter", label, group, full, lambda: dist.all_to_all_single(
-        recv, full, group=group, async_op=async_op))
+        _h(recv), _h(full), group=group, async_op=async_op))
 
     def local_sum() -> None:
         # Elementwise adds in rank order: torch.sum over dim 0 of an (S, n) view measured 8x
@@ -299,14 +244,14 @@ def all_reduce(
 ) -> Work:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     handle, issued = _issue(f"all_reduce({op})", label, group, tensor, lambda: dist.all_reduce(
-        tensor, op=ops[op], group=group, async_op=async_op))
+        _h(tensor), op=ops[op], group=group, async_op=async_op))
     return Work(handle if async_op else None, tensor, None, issued)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               label: str = "") -> torch.Tensor:
     _issue(f"broadcast(src={src})", label, group, tensor,
-           lambda: dist.broadcast(tensor, src=src, group=group))
+           lambda: dist.broadcast(_h(tensor), src=src, group=group))
     return tensor
 
 
@@ -321,7 +266,8 @@ def agree(flag: bool, group: ProcessGroup | None = None, label: str = "") -> boo
     t = torch.tensor([0 if flag else 1], dtype=torch.int32)
     if backend(group) == "nccl":
         t = t.cuda()
-    _issue("agree", label, group, t, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+    _issue("agree", label, group, t,
+           lambda: dist.all_reduce(_h(t), op=dist.ReduceOp.MAX, group=group))
     return int(t.item()) == 0
 
 
@@ -333,7 +279,7 @@ def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") 
     if backend(group) == "nccl":
         t = t.cuda()
     _issue("same_on_all", label, group, t,
-           lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+           lambda: dist.all_reduce(_h(t), op=dist.ReduceOp.MAX, group=group))
     return int(t[0].item()) == value and int(-t[1].item()) == value
 
 
@@ -354,7 +300,7 @@ def _padded_bytes(data: bytes, group: ProcessGroup | None) -> tuple[torch.Tensor
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.empty(n, dtype=torch.int64, device=device)
     _issue("exchange bytes", "", group, mine,
-           lambda: _all_gather_flat(lengths, mine, group=group))
+           lambda: _all_gather_flat(_h(lengths), _h(mine), group=group))
     sizes = [int(x) for x in lengths.cpu()]
     buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)  # gloo dislikes empty buffers
     if data:
@@ -368,7 +314,8 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None = None) -> list[byt
         return [data]
     buf, sizes = _padded_bytes(data, group)
     out = torch.empty(len(sizes) * buf.numel(), dtype=torch.uint8, device=buf.device)
-    _issue("all_gather bytes", "", group, buf, lambda: _all_gather_flat(out, buf, group=group))
+    _issue("all_gather bytes", "", group, buf,
+           lambda: _all_gather_flat(_h(out), _h(buf), group=group))
     rows = out.view(len(sizes), buf.numel()).cpu()
     return [rows[r, : sizes[r]].numpy().tobytes() for r in range(len(sizes))]
 
@@ -381,7 +328,8 @@ def gather_bytes(data: bytes, dst: int = 0, group: ProcessGroup | None = None) -
     me = rank(group)
     bufs = [torch.empty_like(buf) for _ in sizes] if me == dst else None
     _issue(f"gather bytes(dst={dst})", "", group, buf,
-           lambda: dist.gather(buf, bufs, dst=global_rank_of(group, dst), group=group))
+           lambda: dist.gather(_h(buf), [_h(b) for b in bufs] if bufs is not None else None,
+                              dst=global_rank_of(group, dst), group=group))
     if bufs is None:
         return []
     return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, sizes)]
@@ -390,3 +338,19 @@ def gather_bytes(data: bytes, dst: int = 0, group: ProcessGroup | None = None) -
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def broadcast_json(value: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
+    """Group rank `src`'s JSON-serializable `value`, on every rank (JSON, never pickle)."""
+    import json
+
+    data = json.dumps(value).encode() if rank(group) == src else b""
+    return json.loads(all_gather_bytes(data, group)[src]) if world_size(group) > 1 else value
+
+
+def all_gather_floats(values: list[float], group: ProcessGroup | None = None) -> list[list[float]]:
+    """Each rank's list of floats, in rank order, on every rank."""
+    import struct
+
+    packed = struct.pack(f"<{len(values)}d", *values)
+    return [list(struct.unpack(f"<{len(b) // 8}d", b)) for b in all_gather_bytes(packed, group)]

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 import shardwise as sw
 
+from ..engine import collectives as Cm
 from ..observe.sinks import JsonlSink, attach_sink, detach_sink, set_step
 from ..observe.trace import Trace
 from . import data as D
@@ -87,17 +87,18 @@ def threads_per_rank(cfg: Config) -> int:
 def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> tuple[Path, bool]:
     """Rank 0 prepares the run folder; everyone gets its path and whether to resume from it
     (a torchelastic restart resumes: rundir.for_restart), or rank 0's error."""
-    box: list[Any] = [None]
+    answer: dict[str, Any] = {}
     if rank == 0:
         try:
             ready = rundir.prepare(cfg)
-            box[0] = (str(Path(ready.out_dir).expanduser() / ready.name), ready.resume)
+            answer = {"dir": str(Path(ready.out_dir).expanduser() / ready.name),
+                      "resume": ready.resume}
         except (ValueError, OSError) as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return Path(box[0][0]), bool(box[0][1])
+            answer = {"error": str(e), "type": type(e).__name__}
+    answer = Cm.broadcast_json(answer, src=0)
+    if "error" in answer:
+        raise (OSError if answer["type"] == "OSError" else ValueError)(answer["error"])
+    return Path(answer["dir"]), bool(answer["resume"])
 
 
 def build_model(cfg: Config) -> GPT:
@@ -131,10 +132,7 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
 
 def _gather(values: list[float], device: torch.device) -> list[list[float]]:
     """Each rank's `values` -> a list per rank (one small all-gather)."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
+    return Cm.all_gather_floats(values)
 
 
 @torch.no_grad()
@@ -146,7 +144,7 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
     for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank, world,
                               cfg.train.eval_batches, device):
         total += model(x, y).double()
-    dist.all_reduce(total)
+    Cm.all_reduce(total, None, label="validation loss")
     return total.item() / (world * cfg.train.eval_batches)
 
 
@@ -224,7 +222,7 @@ def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
     extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state(),
              "scaler": scaler.state_dict()}
     sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
-    dist.barrier()
+    Cm.barrier(label="checkpoint saved")
     if rank == 0:
         pruned = rundir.prune_checkpoints(run_dir, keep)
         log.info("checkpoint %s (pruned %d older)", path, len(pruned))

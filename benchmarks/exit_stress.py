@@ -1,0 +1,85 @@
+"""Launch a minimal user script with no teardown many times; count the launches that fail.
+
+    python benchmarks/exit_stress.py --runs 200 --nproc 2
+    python benchmarks/exit_stress.py --runs 100 --nproc 3
+    python benchmarks/exit_stress.py --runs 40 --nproc 2 --src /path/to/old/checkout/src
+
+Each launch is `torchrun --standalone --nproc-per-node N benchmarks/exit_user_script.py`:
+shard, 3 steps, one save_checkpoint, one full_state_dict, then the script simply ends
+(see [Note: gloo teardown] in shardwise/engine/process_group.py). Every non-zero exit is
+counted and its signal named (-6 / SIGABRT is the gloo exit race). `--src` puts another
+checkout's sources first on the path, to measure the rate before a fix side by side.
+`--jobs` runs launches concurrently (more load per core makes the race more likely).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "exit_user_script.py"
+
+
+def launch(nproc: int, src: str | None, timeout_s: float) -> tuple[int, str]:
+    """(torchrun's exit status, the reason a worker failed, if any)."""
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory(prefix="sw-exit-") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(SCRIPT), str(Path(tmp) / "ckpt")]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return -1, f"hung past {timeout_s:.0f}s"
+    out = p.stdout + p.stderr
+    if p.returncode == 0:
+        return 0, ""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    why = "terminate called" if "terminate called" in out else ""
+    return p.returncode, f"worker exitcode {','.join(sorted(set(codes)))} {why}".strip()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--src", default=None, help="another checkout's src/ to test instead")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
+    ap.add_argument("--json", default=None, help="write the counts to this file")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    failures: list[str] = []
+    done = 0
+    with cf.ThreadPoolExecutor(args.jobs) as pool:
+        futs = [pool.submit(launch, args.nproc, args.src, args.timeout) for _ in range(args.runs)]
+        for f in cf.as_completed(futs):
+            rc, why = f.result()
+            done += 1
+            if rc != 0:
+                failures.append(why)
+                print(f"launch {done}: exit {rc}: {why}", flush=True)
+            if done % 10 == 0:
+                print(f"{done}/{args.runs} launches, {len(failures)} non-zero "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    result = {"runs": args.runs, "nproc": args.nproc, "jobs": args.jobs,
+              "src": args.src or "this checkout", "nonzero": len(failures),
+              "reasons": failures, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"{args.runs} launches at {args.nproc} ranks: {len(failures)} non-zero exits")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

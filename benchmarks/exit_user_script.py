@@ -1,0 +1,58 @@
+"""A minimal user script with no teardown call: what README's "Ten lines" does, then it ends.
+
+Launched by benchmarks/exit_stress.py (and a handful of times by the test suite) under
+`torchrun --standalone --nproc-per-node N`. It shards a small transformer-shaped model,
+trains 3 steps (prefetching all-gathers, async reduce-scatters), saves one checkpoint, takes
+one full state dict, and simply returns: no destroy_process_group, no shardwise teardown.
+Argument: the checkpoint folder (one per launch).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import shardwise as sw
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d + 3)
+        self.down = nn.Linear(4 * d + 3, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 33, layers: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+rank, world, device = sw.init_distributed()
+torch.manual_seed(0)
+model = sw.shard_model(Net(), sharding_strategy="FULL_SHARD",
+                       auto_wrap_policy=sw.transformer_policy({Block}))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+torch.manual_seed(1 + rank)
+for _ in range(3):
+    x, y = torch.randn(8, 33), torch.randint(0, 7, (8,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    sw.clip_grad_norm_(model, 1.0)
+    opt.step()
+    opt.zero_grad()
+sw.save_checkpoint(sys.argv[1], model, opt, step=3)
+state = sw.full_state_dict(model)
+assert len(state) == 26, sorted(state)

@@ -1,0 +1,186 @@
+"""The process group's life: start-up (with the restart store), and a clean end.
+
+Part of the communication layer with collectives.py: this file owns init and teardown,
+collectives.py the operations. Neither holds a process-group singleton of its own;
+torch.distributed's default group is the one both use.
+
+[Note: gloo teardown] A process that used gloo could abort at exit after all its work was
+done ("terminate called without an active exception", torchrun: exitcode -6), in about 1 run
+in 11 of a plain user script (3 of 20 measured here before the fix, 2 ranks; PyTorch's own
+FSDP2 on gloo does the same). The mechanism:
+
+- A gloo collective runs on one of the process group's worker threads, and the work object
+  it holds keeps references to the tensors it was given. After the work completes, the
+  caller is woken first; the worker drops its reference a moment later.
+- When Python has already dropped its own reference by then, PyTorch preserves the tensor's
+  Python object and hands ownership of it to the C++ tensor, so the worker's drop is the last
+  one and must take the GIL to free a Python object.
+- A thread that asks for the GIL after the interpreter has begun finalizing is ended by
+  CPython with pthread_exit. The forced unwind meets a noexcept destructor in gloo's worker
+  loop, and C++ calls std::terminate: SIGABRT.
+
+So the race is between a worker thread's last drop and the end of the script. Sleeping
+before exit (0.1 s, the old fix) narrows it. It is closed here instead by knowing when the
+drops have happened: every tensor shardwise hands to a gloo collective is a fresh alias
+(`handoff`), of which shardwise keeps only a weak reference. The alias's Python object dies
+exactly when gloo's last reference to it goes. At exit (an `atexit` handler registered when
+shardwise first communicates, or `finish()`), after a barrier with the peers and
+destroy_process_group, the process waits, with the GIL released, until every alias is dead.
+No worker thread then holds anything that needs the GIL, whenever finalization starts.
+Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
+
+The barrier is skipped when this process is ending with an uncaught exception or has seen
+a collective fail: a peer may be dead, and the drain must not hang on it. The wait for gloo's
+drops is bounded, so a collective stuck on a dead peer cannot hold the exit either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import sys
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# The collective timeout given at init (None: torch's default); errors quote it.
+timeout_s: float | None = None
+
+# Weak references to the tensor aliases that gloo collectives were given ([Note: gloo teardown]).
+_handed: list[weakref.ref] = []
+_PRUNE_AT = 256
+_exit_registered = False
+# Set when a collective failed in this process: at exit, do not wait for peers.
+_failed = False
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def handoff(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to give a gloo collective in place of `t` (same storage, own identity).
+
+    See [Note: gloo teardown]: the alias lets the exit path see when gloo let go of it.
+    """
+    global _handed
+    v = t.detach()
+    _handed.append(weakref.ref(v))
+    if len(_handed) >= _PRUNE_AT:
+        _handed = [r for r in _handed if r() is not None]
+    return v
+
+
+def held_by_gloo() -> int:
+    """How many tensors handed to gloo collectives a gloo thread may still release."""
+    return sum(1 for r in _handed if r() is not None)
+
+
+def communicating() -> None:
+    """Called before every collective: the first one registers the exit drain."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_at_exit)
+
+
+def mark_failed() -> None:
+    global _failed
+    _failed = True
+
+
+def init_process_group(backend_name: str, timeout: float) -> None:
+    global timeout_s
+    timeout_s = timeout
+    td = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend_name, timeout=td, **_restart_store(td))
+    communicating()
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """A store of this attempt's own keys, after a single-node torchelastic restart.
+
+    [Note: restart store] torchrun's workers share the agent's TCPStore, which outlives a
+    restart with every key the failed attempt wrote. A restarted rank can then read a dead
+    peer's address and fail to connect (gloo: "connectFullMesh failed ... Connection
+    refused"; pytorch/pytorch#135712). Prefixing by TORCHELASTIC_RESTART_COUNT isolates the
+    attempts; it is only safe with one agent, since agents of a multi-node job count
+    restarts differently (there, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+    """
+    env = os.environ
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0
+            or env.get("WORLD_SIZE") != env.get("LOCAL_WORLD_SIZE")):
+        return {}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"shardwise/restart-{attempt}/", store),
+            "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+    wait_for_gloo_drops(_FAILED_DRAIN_S)
+
+
+def finish() -> None:
+    """End a run that went well: wait for the peers, tear down, let gloo let go.
+
+    Safe to call more than once, and what the exit handler does for scripts that never call
+    it ([Note: gloo teardown]).
+    """
+    if is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    wait_for_gloo_drops(_DRAIN_LIMIT_S)
+
+
+# How long the exit path waits for gloo's worker threads to drop what they were handed:
+# after a completed barrier they do so within microseconds, so this bound is only reached when
+# a collective is stuck on a dead peer (then the exit is already a failure).
+_DRAIN_LIMIT_S = 10.0
+_FAILED_DRAIN_S = 1.0
+
+
+def wait_for_gloo_drops(limit_s: float) -> bool:
+    """Sleep (GIL released) until gloo holds none of the handed tensors; False on timeout."""
+    deadline = time.monotonic() + limit_s
+    pause = 0.0005
+    while held_by_gloo():
+        if time.monotonic() >= deadline:
+            log.debug("gloo still holds %d tensors at exit", held_by_gloo())
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    _handed.clear()
+    return True
+
+
+def _ending_with_error() -> bool:
+    # CPython stores an uncaught exception (KeyboardInterrupt included) here before it runs
+    # the exit handlers.
+    return _failed or getattr(sys, "last_value", None) is not None \
+        or getattr(sys, "last_exc", None) is not None
+
+
+def _at_exit() -> None:
+    """The exit drain for scripts that end without finish() ([Note: gloo teardown])."""
+    try:
+        if not is_initialized():
+            wait_for_gloo_drops(_DRAIN_LIMIT_S)
+        elif _ending_with_error():
+            dist.destroy_process_group()
+            wait_for_gloo_drops(_FAILED_DRAIN_S)
+        else:
+            finish()
+    except Exception as e:  # noqa: BLE001 - an exit handler must not turn success into failure
+        log.debug("exit drain: %s", e)
+        wait_for_gloo_drops(_FAILED_DRAIN_S)
