@@ -18,9 +18,8 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module, check_path
-from ..engine.fully_shard import units_of
+from ..engine.fully_shard import reshard_between_steps, units_of
 from ..engine.sharded_param import ShardedParam
-from ..engine.unit import ShardedState
 from . import atomic, optim_state
 from .finite import check_finite
 from .manifest import (
@@ -244,11 +243,7 @@ def load_checkpoint(
         if ckpt != target:
             log.warning("%s is missing: loading %s, left by a save that crashed while "
                         "replacing it", target, ckpt)
-        for u in units_of(model):
-            if u.state is not ShardedState.SHARDED:
-                raise RuntimeError(f"load_checkpoint needs every unit resharded; "
-                                   f"{type(u.module).__name__} is {u.state.value} (call "
-                                   f"it between steps, not inside forward/backward)")
+        reshard_between_steps(model, "load_checkpoint")
         m = read_manifest(ckpt)
         view = model_view(model)
         _check_model(view, m, ckpt)

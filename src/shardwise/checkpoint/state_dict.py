@@ -9,6 +9,7 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module
+from ..engine.fully_shard import reshard_between_steps
 from ..engine.sharded_param import ShardedParam
 from .sync import agree
 
@@ -97,6 +98,7 @@ def load_full_state_dict(
     check_module("model", model)
     check_bool("from_rank0", from_rank0)
     check_bool("strict", strict)
+    reshard_between_steps(model, "load_full_state_dict")
     model_sd = model.state_dict(keep_vars=True)
     checker = not from_rank0 or C.rank() == 0
     err = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,7 +11,8 @@ from torch import nn
 from . import collectives as C
 from .buffers import BufferPool
 from .checks import check_module, check_params
-from .hooks import forward_post_hook, forward_pre_hook, make_post_accumulate_hook
+from .hooks import forward_post_hook, forward_pre_hook
+from .misuse import watch_optimizers
 from .policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -27,6 +29,35 @@ class ShardedModule:
     """Mixed into a sharded module's class, so `isinstance(m, OriginalClass)` still holds."""
 
     _sw_unit: Unit
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A sharded module is only ever made by fully_shard changing __class__. A *new*
+        # instance (nn.Sequential's slice builds one with type(self)(...)) has no unit
+        # behind it: make it a plain module of the original class.
+        plain = next(c for c in cls.__mro__ if not issubclass(c, ShardedModule))
+        obj = plain.__new__(plain)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported: its "
+            "parameters are shards bound to a process group. Deep-copy the model before "
+            "sharding, or build a fresh one and load sw.full_state_dict(model) into it")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # model.to(dtype/device), .half(), .cuda() would swap the shards' storage behind
+        # the engine's back (it keeps its own views), failing later inside forward.
+        for sp in self._sw_unit.params:
+            probe = torch.empty(0, dtype=sp.orig_dtype, device=sp.host_device)
+            moved = fn(probe)
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                raise ValueError(
+                    f"changing a sharded model's dtype or device ({sp.orig_dtype}, "
+                    f"{sp.host_device} -> {moved.dtype}, {moved.device}) is not supported "
+                    "after sharding: convert it before fully_shard/shard_model, or use "
+                    "mixed_precision= (compute dtype) and cpu_offload= (where shards live)")
+        return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def unshard(self) -> None:
         """Gather this unit's full parameters onto the module (synchronously)."""
@@ -161,7 +192,6 @@ def fully_shard(
         if owner.state is not ShardedState.SHARDED:
             raise RuntimeError(f"cannot re-home {sp.fqn} while its unit is unsharded")
         owner.set_params([q for q in owner.params if q is not sp])
-        sp.set_grad_hook(None)
         for r in refs:
             if not any(x.module is r.module and x.name == r.name for x in sp.refs):
                 sp.refs.append(r)
@@ -178,11 +208,11 @@ def fully_shard(
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)  # free the full copy
         params.append(sp)
 
+    watch_optimizers()
     unit = Unit(module, "", params, info, reshard_after_forward, mp_policy, offload_policy,
                 BufferPool())
     for sp in params:
-        sp.owner = unit  # type: ignore[attr-defined]
-        sp.set_grad_hook(make_post_accumulate_hook(unit))
+        sp.owner = unit
     module._sw_unit = unit  # type: ignore[attr-defined]
     module.register_forward_pre_hook(forward_pre_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(forward_post_hook, with_kwargs=True)
@@ -269,3 +299,19 @@ def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
                 seen.add(id(sp))
                 out.append((f"{mname}.{pname}" if mname else pname, sp))
     return out
+
+
+def reshard_between_steps(model: nn.Module, what: str) -> None:
+    """Reshard every unit so that writing the shards takes effect on the next forward.
+
+    After a forward with grad enabled and no backward, the root keeps its full parameters
+    registered; writing only the shards would leave the next forward computing with the
+    old full copies. Inside a backward nothing may be resharded: that is refused.
+    """
+    for u in units_of(model):
+        ctx = u.ctx
+        if ctx is not None and ctx.state.value == "backward":
+            raise RuntimeError(f"{what} cannot run inside backward (unit {u.label!r} is in "
+                               "use); call it between steps")
+        u.reshard()
+

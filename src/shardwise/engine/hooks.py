@@ -2,10 +2,20 @@
 
 Per unit: forward pre-hook (unshard, prefetch the next unit), forward post-hook (reshard
 under FULL_SHARD, hook the outputs for backward), pre-backward (a gradient hook on the
-outputs: unshard again, prefetch the previous unit), post-backward (a post-accumulate-grad
-hook per parameter: when the last gradient of the unit arrives, reduce and reshard), and a
-final callback queued on the autograd engine by the root (flush units whose gradients never
-all arrived, wait for every pending reduction, reshard everything).
+outputs: unshard again, prefetch the previous unit), post-backward (an identity autograd
+Function on the unit's forward inputs: its backward runs once the gradients for those inputs
+exist, which is when the unit's backward is over; then reduce and reshard), and a final
+callback queued on the autograd engine by the root (post-backward for units whose inputs
+needed no gradient, wait for every pending reduction, reshard everything).
+
+[Note: post-backward] A unit may reshard only when autograd no longer needs its unsharded
+parameters. Counting the gradients of its trainable parameters is not enough: a frozen
+weight (LoRA's base weight, a frozen attention) is still needed to compute the gradient of
+the unit's input after the last trainable gradient has arrived. The gradient of the inputs
+is the last thing the unit's backward computes. The autograd engine runs a ready
+AccumulateGrad before any other ready node, and the Function's node was created before every
+op of the unit's forward, so it runs after them. A unit whose inputs need no gradient (the
+first unit, or any unit behind frozen ones) is finished by the root's final callback.
 
 [Note: prefetch] The order in which units run forward is recorded on every step; the next
 step uses the previous step's order to issue unit i+1's all-gather while unit i computes,
@@ -24,10 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ..observe.events import EventSink, now
 from . import collectives as C
+from .traverse import map_tensors, tensors_in
 from .unit import PendingReduce, ShardedState, Unit
 
 MAX_GATHERS_IN_FLIGHT = 2
@@ -66,6 +76,9 @@ class RootContext:
         if self.state is TrainingState.BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
             self.finish_backward()
+        # The user may have frozen or unfrozen parameters since the last step.
+        for u in self.units:
+            u.follow_requires_grad()
         self.state = TrainingState.FORWARD
         self.order_now = []
 
@@ -111,11 +124,9 @@ class RootContext:
     # --- backward -----------------------------------------------------------------------
 
     def ensure_backward(self) -> None:
-        """First hook of a backward: reset per-backward state, queue the final callback."""
+        """First hook of a backward: queue the final callback."""
         if self.state is not TrainingState.BACKWARD:
             self.state = TrainingState.BACKWARD
-            for u in self.units:
-                u.start_backward()
         if not self._final_queued:
             self._final_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -126,6 +137,12 @@ class RootContext:
             unit.t_compute = now()
         unit.wait_unshard()
         self.prefetch_backward(unit)
+
+    def post_backward(self, unit: Unit) -> None:
+        """The unit's backward is over ([Note: post-backward]): reduce, then reshard."""
+        self.ensure_backward()
+        for pr in unit.post_backward():
+            self.add_pending_reduce(pr)
 
     def add_pending_reduce(self, pr: PendingReduce) -> None:
         self.pending.append(pr)
@@ -139,16 +156,14 @@ class RootContext:
         # Reverse forward order is the order the units' post-backward would have run.
         seen = {id(u) for u in self.order}
         for u in list(reversed(self.order)) + [u for u in self.units if id(u) not in seen]:
-            if not u._reduced_this_backward and (
-                u.state is not ShardedState.SHARDED or u._grads_ready
-            ):
-                u.post_backward()
+            if u.state is not ShardedState.SHARDED or u.has_unreduced_grads():
+                for pr in u.post_backward():
+                    self.add_pending_reduce(pr)
         while self.pending:
             pr = self.pending.popleft()
             pr.unit.finish_reduce(pr)
         for u in self.units:
             u.reshard()
-            u.start_backward()
         self._final_queued = False
         self.state = TrainingState.IDLE
 
@@ -156,8 +171,36 @@ class RootContext:
 # --- hook functions -----------------------------------------------------------------------
 
 
-def _is_float_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
+def _cast(obj: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return obj
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward is the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> Any:
+        ctx.unit = unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        unit: Unit = ctx.unit
+        if unit.ctx is not None:
+            unit.ctx.post_backward(unit)
+        return (None, *grads)
+
+
+def _mark_inputs(unit: Unit, args: Any) -> Any:
+    """Route the inputs that need a gradient through _PostBackward ([Note: post-backward])."""
+    needs = [t for t in tensors_in(args) if t.requires_grad]
+    if not needs:
+        return args
+    outs = iter(_PostBackward.apply(unit, *needs))
+    ids = {id(t) for t in needs}
+    return map_tensors(lambda t: next(outs) if id(t) in ids else t, args)
 
 
 def _lazy_init(unit: Unit) -> RootContext:
@@ -211,11 +254,14 @@ def _check_same_layout(units: list[Unit]) -> None:
 def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx = unit.ctx if unit.ctx is not None else _lazy_init(unit)
+    mp = unit.mp
+    cast_to = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
     if ctx.state is TrainingState.BACKWARD:
         # Activation checkpointing re-runs forward inside backward: the unit is needed
-        # unsharded, and nothing about the step's order or resharding may change.
+        # unsharded (with the same input casts as the first time), and nothing about the
+        # step's order or resharding may change.
         unit.wait_unshard()
-        return args, kwargs
+        return _cast((args, kwargs), cast_to)
     if unit.is_root:
         ctx.pre_forward_root()
     ctx.record(unit)
@@ -223,34 +269,32 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
         unit.t_compute = now()
     unit.wait_unshard()
     ctx.prefetch_forward(unit)
-    mp = unit.mp
-    if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-        dt = mp.param_dtype
-        args, kwargs = tree_map(lambda x: x.to(dt) if _is_float_tensor(x) else x, (args, kwargs))
+    args, kwargs = _cast((args, kwargs), cast_to)
+    if torch.is_grad_enabled():
+        args, kwargs = _mark_inputs(unit, (args, kwargs))
     return args, kwargs
 
 
 def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx: RootContext = unit.ctx  # type: ignore[assignment]
+    out_dtype = unit.mp.output_dtype if unit.mp is not None else None
     if ctx.state is TrainingState.BACKWARD:
-        return output  # a recomputation (activation checkpointing): see forward_pre_hook
+        # A recomputation (activation checkpointing): see forward_pre_hook.
+        return _cast(output, out_dtype)
     if ctx.sinks:
         unit._emit("forward", "", 0, unit.t_compute)
     if unit.reshard_after_forward and not unit.is_root:
         unit.reshard()
     if torch.is_grad_enabled():
-        leaves, _ = tree_flatten(output)
         hook = None
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in tensors_in(output):
+            if t.requires_grad:
                 hook = hook or _make_pre_backward(ctx, unit)  # one closure per call, not per output
                 t.register_hook(hook)
+    # Each unit's own policy: a block may hand fp32 to the next one while computing in bf16.
+    output = _cast(output, out_dtype)
     if unit.is_root:
-        mp = unit.mp
-        if mp is not None and mp.output_dtype is not None:
-            dt = mp.output_dtype
-            output = tree_map(lambda x: x.to(dt) if _is_float_tensor(x) else x, output)
         ctx.post_forward_root()
     return output
 
@@ -261,11 +305,3 @@ def _make_pre_backward(ctx: RootContext, unit: Unit):
 
     return hook
 
-
-def make_post_accumulate_hook(unit: Unit):
-    def hook(param: torch.Tensor) -> None:
-        if unit.ctx is not None:
-            unit.ctx.ensure_backward()
-        unit.on_grad_ready()
-
-    return hook

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import collectives as C
 from .checks import check_int, check_module
 from .fully_shard import sharded_params, units_of
 
@@ -24,7 +25,11 @@ def materialize(
     while it holds only its shards, so no rank ever holds the whole model. Dim-0 sharding
     leaves fan-in (dim 1) intact, so standard initializers keep their scale. Each shard rank
     draws from its own random stream (seed + shard rank); replicas share it.
-    Buffers on the meta device are allocated (uninitialized) unless an initializer fills them.
+    Without `seed`, rank 0 draws one and every rank uses it (ranks seeded differently, as
+    `torch.manual_seed(base + rank)` does, must still start replicas identical).
+    Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
+    unfilled (a non-persistent buffer such as rotary `inv_freq`, which a meta-device
+    constructor could not compute) is refused by name rather than left as garbage.
     """
     check_module("model", model)
     if init_fn is not None and not callable(init_fn):
@@ -38,15 +43,20 @@ def materialize(
     device = units[0].mesh.device
     for sp in sharded_params(model):
         sp.materialize()
-    for m in model.modules():
+    fresh: dict[str, tuple[nn.Module, str]] = {}
+    for mname, m in model.named_modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                m._buffers[name] = _unfilled(b, device)
+                fresh[f"{mname}.{name}" if mname else name] = (m, name)
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:  # ignored parameters: replicated, not sharded
                 m._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-    base = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+    if seed is None:
+        drawn = torch.tensor([int(torch.randint(0, 2**31 - 1, ()).item())], dtype=torch.int64)
+        seed = int(C.broadcast(drawn.to(device), 0, label="materialize seed").item())
+    base = seed
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         # Seeded by shard rank: shards are independent draws, while replicas of the same
         # shard (NO_SHARD, HYBRID_SHARD) draw the same values and start as one model.
@@ -60,4 +70,30 @@ def materialize(
                         init_fn(m)
                     elif hasattr(m, "reset_parameters") and callable(m.reset_parameters):
                         m.reset_parameters()
+    unfilled = [k for k, (m, name) in fresh.items()
+                if m._buffers.get(name) is not None and _still_unfilled(m._buffers[name])]
+    if unfilled:
+        raise ValueError(
+            f"buffers {unfilled} were on the meta device and no initializer filled them "
+            "(materialize cannot know their values). Fill them in the module's "
+            "reset_parameters() or in init_fn (e.g. recompute rotary inv_freq there), or "
+            "create them outside the meta device")
     return model
+
+
+def _unfilled(b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real buffer holding a sentinel that initializers overwrite."""
+    t = torch.empty(b.shape, dtype=b.dtype, device=device)
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(False)
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _still_unfilled(b: torch.Tensor) -> bool:
+    if b.numel() == 0 or b.dtype == torch.bool:
+        return False  # nothing to fill, or no value left to mark "unfilled"
+    if b.is_floating_point() or b.is_complex():
+        return bool(torch.isnan(b).all())
+    return bool((b == torch.iinfo(b.dtype).min).all())

@@ -65,9 +65,14 @@ class ShardedParam:
         # Elements of one padded shard: what each rank contributes to an all-gather.
         self.chunk_numel = self.chunk_rows * self.row_numel
 
-        # Post-accumulate-grad hook of the owning unit (re-registered if params are rebuilt).
-        self._grad_hook = None
-        self._hook_handle = None
+        # The unit this parameter belongs to (set by fully_shard; changes when re-homed).
+        self.owner: object | None = None
+        # Unsharded gradient accumulated across no_sync() backwards in the reduce dtype, when
+        # that differs from the compute dtype (FSDP2 upcasts the same way).
+        self.acc_grad: torch.Tensor | None = None
+        # Direct parameters keep their gradient in place: (tensor, version) of the one last
+        # handed to a reduction, so that an untouched gradient is not reduced twice.
+        self._handed: tuple[torch.Tensor, int] | None = None
         padded = torch.zeros(
             (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self._shard_device(param)
         )
@@ -82,6 +87,10 @@ class ShardedParam:
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
         self._padded_shard = padded
+        old = getattr(self, "sharded", None)
+        if old is not None:
+            # Replaced (materialize): an optimizer still holding it must fail loudly.
+            old._sw_orig_of = self  # type: ignore[attr-defined]
         self.sharded = nn.Parameter(padded[: self.local_rows], requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
@@ -111,17 +120,44 @@ class ShardedParam:
             self.free_unsharded()
         for ref in self.refs:
             ref.module._parameters[ref.name] = self.sharded
-        if self._grad_hook is not None:
-            self.set_grad_hook(self._grad_hook)
 
-    def set_grad_hook(self, fn: object | None) -> None:
-        """Register (or clear) the unit's hook called when a full gradient has accumulated."""
-        if self._hook_handle is not None:
-            self._hook_handle.remove()
-            self._hook_handle = None
-        self._grad_hook = fn
-        if fn is not None and self.requires_grad:
-            self._hook_handle = self.unsharded.register_post_accumulate_grad_hook(fn)
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        self.requires_grad = requires_grad
+        self.sharded.requires_grad_(requires_grad)
+        self.unsharded.requires_grad_(requires_grad)
+        if not requires_grad:
+            self.acc_grad = None
+
+    # --- this rank's gradient before reduction -------------------------------------------
+
+    def local_grad(self) -> torch.Tensor | None:
+        """This rank's full-shape gradient not yet handed to a reduction (None if none)."""
+        if self.direct:
+            g = self.sharded.grad
+            h = self._handed
+            if g is None or (h is not None and h[0] is g and g._version == h[1]):
+                return None
+            return g
+        g = self.unsharded.grad
+        if self.acc_grad is None:
+            return g
+        if g is not None:
+            with torch.no_grad():
+                self.acc_grad.add_(g)
+            self.unsharded.grad = None
+        return self.acc_grad
+
+    def drop_local_grad(self) -> None:
+        """The local gradient was packed for reduction: free it (direct: remember it)."""
+        if self.direct:
+            self.mark_reduced()
+        else:
+            self.unsharded.grad = None
+            self.acc_grad = None
+
+    def mark_reduced(self) -> None:
+        g = self.sharded.grad
+        self._handed = (g, g._version) if g is not None else None
 
     def _shard_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("meta") if param.is_meta else self.host_device

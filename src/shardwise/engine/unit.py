@@ -87,6 +87,8 @@ class PendingReduce:
     work: C.Work
     start: float
     scratch: torch.Tensor | None = None  # all-to-all receive buffer, pooled
+    # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
+    complete: bool = True
 
 
 class Unit:
@@ -115,9 +117,6 @@ class Unit:
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
-        # Grad-requiring params whose gradient arrived in the current backward.
-        self._grads_ready = 0
-        self._reduced_this_backward = False
         self._gathers: list[_PendingGather] = []
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
@@ -135,10 +134,31 @@ class Unit:
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.groups = [CommGroup(dtype, ps) for dtype, ps in by_dtype.items()]
-        self.n_grad_params = sum(len(g.grad_params) for g in self.groups)
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.groups}
+
+    def follow_requires_grad(self) -> None:
+        """Take up `requires_grad` changes the user made since sharding (between steps).
+
+        The flag is read from the Parameter the module holds now (the sharded one, or the
+        unsharded one while the unit is unsharded) and copied to the other; the gradient
+        layout is rebuilt when any flag changed, so a frozen parameter gets no gradient, no
+        reduction and no optimizer update, and an unfrozen one trains.
+        """
+        changed = False
+        for p in self.params:
+            held = p.refs[0].module._parameters.get(p.refs[0].name)
+            want = held.requires_grad if held is not None else p.requires_grad
+            if want != p.requires_grad:
+                changed = True
+                p.set_requires_grad(want)
+        if changed:
+            self.reshard()
+            self.set_params(self.params)
+
+    def has_unreduced_grads(self) -> bool:
+        return any(p.local_grad() is not None for g in self.groups for p in g.grad_params)
 
     @property
     def label(self) -> str:
@@ -234,29 +254,45 @@ class Unit:
 
     # --- gradients ----------------------------------------------------------------------
 
-    def on_grad_ready(self) -> None:
-        """Called once per grad-requiring parameter per backward (post-accumulate hook)."""
-        self._grads_ready += 1
-        if self._grads_ready == self.n_grad_params:
-            self.post_backward()
-
     def post_backward(self) -> list[PendingReduce]:
-        """Reduce this unit's gradients (async) and reshard. Idempotent per backward."""
-        if self._reduced_this_backward:
-            return []
-        self._reduced_this_backward = True
+        """The unit's backward is over: reduce its gradients (async) and reshard.
+
+        May run more than once per backward (a unit used by several forwards): each call
+        reduces what accumulated since the last one, and the results add up in the sharded
+        gradients. Inside no_sync() the gradients stay unsharded (upcast to the reduce
+        dtype, as they will be reduced in it) for a later backward to reduce.
+        """
         if self.ctx is not None and self.ctx.sinks:
             self._emit("backward", "", 0, self.t_compute)
         pending: list[PendingReduce] = []
-        if self.requires_grad_sync and self.n_grad_params:
+        if self.requires_grad_sync:
             pending = self._reduce_grads()
-        if self.ctx is not None:
-            for pr in pending:
-                self.ctx.add_pending_reduce(pr)
+        else:
+            self._accumulate_unsynced()
         self.reshard()
         return pending
 
+    def _accumulate_unsynced(self) -> None:
+        for g in self.groups:
+            rd = self.reduce_dtype_for[g.dtype]
+            for p in g.grad_params:
+                grad = None if p.direct else p.unsharded.grad
+                if grad is None or grad.dtype == rd:
+                    continue  # accumulates in place already, in the right dtype
+                with torch.no_grad():
+                    if p.acc_grad is None:
+                        p.acc_grad = grad.to(rd)
+                    else:
+                        p.acc_grad.add_(grad)
+                p.unsharded.grad = None
+
     def _reduce_grads(self) -> list[PendingReduce]:
+        """[Note: unused gradients] A parameter that no rank computed a gradient for keeps
+        `.grad = None` (as in DDP and FSDP2), so the optimizer skips it instead of stepping
+        it from zeros. Each rank's row of the reduce buffer ends with one flag per
+        parameter (1 where this rank has a gradient); reduced, the flags count the ranks
+        that contributed, and every rank reads the same counts.
+        """
         S, mesh = self.mesh.shard_size, self.mesh
         rdt = self.reduce_dtype_for
         pending = []
@@ -264,30 +300,39 @@ class Unit:
             for g in self.groups:
                 if not g.grad_params:
                     continue
+                grads = [p.local_grad() for p in g.grad_params]
+                if all(x is None for x in grads):
+                    continue  # not used in this backward (the same on every rank)
                 if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
                     continue  # one rank, no casts: the gradients already are the result
                 start = now()
                 dtype = rdt[g.dtype]
+                k = len(g.grad_params)
+                width = g.grad_numel + k
                 # With S == 1 the packed buffer becomes the gradients: not pooled.
-                send = (self.pool.get(g.grad_numel * S, dtype, mesh.device) if S > 1
-                        else torch.empty(g.grad_numel, dtype=dtype, device=mesh.device))
-                rows = send.view(S, g.grad_numel)
-                for p, off in zip(g.grad_params, g.grad_offsets):
-                    _pack_grad(p, rows[:, off : off + p.chunk_numel])
-                    if not p.direct:
-                        p.unsharded.grad = None  # free the full gradient right away
+                send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
+                        else torch.empty(width, dtype=dtype, device=mesh.device))
+                rows = send.view(S, width)
+                for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
+                    _pack_grad(p, grad, rows[:, off : off + p.chunk_numel])
+                    p.drop_local_grad()
+                rows[:, g.grad_numel :].copy_(torch.tensor(
+                    [0.0 if x is None else 1.0 for x in grads], dtype=dtype))
+                complete = all(x is not None for x in grads)
                 if S > 1:
-                    out = torch.empty(g.grad_numel, dtype=dtype, device=mesh.device)
-                    scratch = (self.pool.get(g.grad_numel * S, dtype, mesh.device)
+                    out = torch.empty(width, dtype=dtype, device=mesh.device)
+                    scratch = (self.pool.get(width * S, dtype, mesh.device)
                                if C.use_all_to_all(mesh.shard_group) else None)
                     work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True,
                                                 scratch=scratch, label=self.label)
-                    pending.append(PendingReduce(self, g, send, out, work, start, scratch))
+                    pending.append(PendingReduce(self, g, send, out, work, start, scratch,
+                                                 complete))
                 else:
                     work = C.all_reduce(send, mesh.replicate_group, async_op=True,
                                         label=self.label) \
                         if mesh.replicate_size > 1 else C.Work(None, send)
-                    pending.append(PendingReduce(self, g, None, send, work, start))
+                    pending.append(PendingReduce(self, g, None, send, work, start, None,
+                                                 complete))
         return pending
 
     def finish_reduce(self, pr: PendingReduce) -> None:
@@ -310,11 +355,16 @@ class Unit:
                 self._emit("all_reduce", "all_reduce", nbytes, start, now() - start)
         elif mesh.replicate_size > 1:
             self._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
+        n_grad = pr.group.grad_numel
+        # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
+        counts = None if pr.complete else out[n_grad:].tolist()
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
         if mesh.dp_size > 1:
-            out.div_(mesh.dp_size)
+            out[:n_grad].div_(mesh.dp_size)
         with torch.no_grad():
-            for p, off in zip(pr.group.grad_params, pr.group.grad_offsets):
+            for i, (p, off) in enumerate(zip(pr.group.grad_params, pr.group.grad_offsets)):
+                if counts is not None and counts[i] == 0:
+                    continue  # no rank computed it: the gradient stays as it was (None)
                 n = p.local_rows * p.row_numel
                 grad = out[off : off + n].view(p.sharded.shape)
                 if grad.dtype != p.orig_dtype or grad.device != p.host_device:
@@ -322,17 +372,14 @@ class Unit:
                 if p.direct or p.sharded.grad is None:
                     # Direct params accumulated locally; the reduced sum replaces it.
                     p.sharded.grad = grad
+                    if p.direct:
+                        p.mark_reduced()
                 else:
                     p.sharded.grad.add_(grad)
 
-    def start_backward(self) -> None:
-        self._grads_ready = 0
-        self._reduced_this_backward = False
 
-
-def _pack_grad(p: ShardedParam, dst: torch.Tensor) -> None:
+def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:
     """Copy p's unsharded gradient into (S, C*row_numel) rank-major rows, zero-padded."""
-    grad = p.unsharded.grad
     if grad is None:
         dst.zero_()
         return
