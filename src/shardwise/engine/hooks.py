@@ -177,6 +177,18 @@ def _cast(obj: Any, dtype: torch.dtype | None) -> Any:
     return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, obj)
 
 
+def _not_traced(fn: Any) -> Any:
+    """Run `fn` eagerly even inside torch.compile.
+
+    [Note: compile] The hooks drive collectives, Python state machines and the buffer pool:
+    Dynamo tracing them specialized graphs on engine state (recompiling as it changed) and
+    replayed stale buffer-pool decisions at step 2. Excluded from tracing, they run between
+    the compiled pieces of a module, exactly as in eager mode.
+    """
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward is the unit's post-backward."""
 
@@ -217,6 +229,12 @@ def _lazy_init(unit: Unit) -> RootContext:
                 )
             u.name = name
             units.append(u)
+    meta = [p.fqn for u in units for p in u.params if p.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are still on the meta "
+            "device: call sw.materialize(model) or sw.load_full_state_dict(model, sd) before "
+            "the first forward")
     _check_same_layout(units)
     ctx = RootContext(unit, units)
     ctx.prefetch_enabled = getattr(root_mod, "_sw_prefetch", True)
@@ -251,6 +269,7 @@ def _check_same_layout(units: list[Unit]) -> None:
         )
 
 
+@_not_traced
 def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx = unit.ctx if unit.ctx is not None else _lazy_init(unit)
@@ -275,6 +294,7 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return args, kwargs
 
 
+@_not_traced
 def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     ctx: RootContext = unit.ctx  # type: ignore[assignment]

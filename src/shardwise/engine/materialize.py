@@ -44,15 +44,18 @@ def materialize(
     for sp in sharded_params(model):
         sp.materialize()
     fresh: dict[str, tuple[nn.Module, str]] = {}
+    replicated: list[tuple[dict, str]] = []  # (module._buffers or ._parameters, name)
     for mname, m in model.named_modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = _unfilled(b, device)
+                replicated.append((m._buffers, name))
                 fresh[f"{mname}.{name}" if mname else name] = (m, name)
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:  # ignored parameters: replicated, not sharded
                 m._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                replicated.append((m._parameters, name))
     if seed is None:
         drawn = torch.tensor([int(torch.randint(0, 2**31 - 1, ()).item())], dtype=torch.int64)
         seed = int(C.broadcast(drawn.to(device), 0, label="materialize seed").item())
@@ -70,6 +73,12 @@ def materialize(
                         init_fn(m)
                     elif hasattr(m, "reset_parameters") and callable(m.reset_parameters):
                         m.reset_parameters()
+    # Buffers and ignored parameters are replicated, not sharded, but their initializers
+    # drew from each shard rank's own stream: rank 0's values are everyone's.
+    if C.world_size() > 1:
+        for coll, name in replicated:
+            if coll.get(name) is not None:
+                C.broadcast(coll[name].data, 0, label=f"materialize {name}")
     unfilled = [k for k, (m, name) in fresh.items()
                 if m._buffers.get(name) is not None and _still_unfilled(m._buffers[name])]
     if unfilled:

@@ -1,0 +1,150 @@
+"""Scenarios of upstream test_fully_shard_comm.py: how many all-gathers and reduce-scatters
+a step issues, their order in backward (prefetch), manual reshard/unshard, world size 1."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+import shardwise as sw
+from tests.dist.fsdp2.common import (
+    Expect,
+    count,
+    record_collectives,
+    shard_rows,
+    sharded_modules,
+)
+from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
+
+
+def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
+                 reshard_after_forward: bool = True) -> tuple[Transformer, torch.Tensor]:
+    torch.manual_seed(42)
+    args = ModelArgs(n_layers=n_layers, checkpoint_activations=checkpoint_impl == "utils")
+    model = Transformer(args)
+    for block in transformer_blocks(model):
+        if checkpoint_impl == "composable":
+            checkpoint(block)
+        sw.fully_shard(block, reshard_after_forward=reshard_after_forward)
+    sw.fully_shard(model, reshard_after_forward=reshard_after_forward)
+    g = torch.Generator().manual_seed(7)
+    return model, torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=g)
+
+
+def communication_count(rank: int, world: int, ex: Expect, reshard_after_forward: bool) -> None:
+    """Forward: one all-gather per unit. Backward: one reduce-scatter per unit, and an
+    all-gather per resharded block (the root keeps its parameters, docs/design.md)."""
+    model, inp = _transformer(reshard_after_forward=reshard_after_forward)
+    blocks = len(transformer_blocks(model))
+    for it in range(2):
+        with record_collectives() as fwd:
+            loss = model(inp)
+        ex.true([r[0] for r in fwd] == ["all_gather"] * (blocks + 1),
+                f"iter {it}: forward issued {[r[:2] for r in fwd]}")
+        with record_collectives() as bwd:
+            loss.sum().backward()
+        ag = blocks if reshard_after_forward else 0
+        ex.true(count(bwd, "all_gather") == ag,
+                f"iter {it}: backward all-gathers {count(bwd, 'all_gather')}, expected {ag}")
+        ex.true(count(bwd, "reduce_scatter") == blocks + 1,
+                f"iter {it}: backward reduce-scatters {count(bwd, 'reduce_scatter')}, "
+                f"expected {blocks + 1}")
+        ex.true(count(bwd, "all_reduce") == 0, f"iter {it}: backward all-reduced")
+
+
+def manual_reshard_with_reshard_after_forward_false(rank: int, world: int, ex: Expect) -> None:
+    """reshard() by hand after a forward that kept parameters: backward gathers again."""
+    model, inp = _transformer(reshard_after_forward=False)
+    units = len(sharded_modules(model))
+    with record_collectives() as fwd:
+        loss = model(inp)
+    ex.true(count(fwd, "all_gather") == units and len(fwd) == units,
+            f"forward issued {[r[:2] for r in fwd]}")
+    for m in sharded_modules(model):
+        m.reshard()
+    with record_collectives() as bwd:
+        loss.sum().backward()
+    ex.true(count(bwd, "all_gather") == units,
+            f"backward all-gathers {count(bwd, 'all_gather')}, expected {units}")
+    ex.true(count(bwd, "reduce_scatter") == units,
+            f"backward reduce-scatters {count(bwd, 'reduce_scatter')}, expected {units}")
+
+
+def backward_prefetch(rank: int, world: int, ex: Expect, reshard_after_forward: bool,
+                      checkpoint_impl: str) -> None:
+    """In backward, the previous block's all-gather is issued before the current block's
+    reduce-scatter (upstream's expected event order); activation checkpointing changes
+    nothing about it."""
+    impl = None if checkpoint_impl == "none" else checkpoint_impl
+    model, inp = _transformer(3, impl, reshard_after_forward)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ag, rs = "all_gather", "reduce_scatter"
+    expected = [(ag, "layers.2"), (ag, "layers.1"), (rs, "layers.2"), (ag, "layers.0"),
+                (rs, "layers.1"), (rs, "layers.0"), (rs, "<root>")]
+    if not reshard_after_forward:
+        expected = [e for e in expected if e[0] != ag]
+    for it in range(3):
+        loss = model(inp)
+        with record_collectives() as log:
+            loss.sum().backward()
+        got = [(op, label) for op, label, _, _ in log]
+        ex.true(got == expected, f"iter {it}: backward order {got}, expected {expected}")
+        opt.step()
+        opt.zero_grad(set_to_none=(it % 2 == 0))
+
+
+def unshard_no_param_group(rank: int, world: int, ex: Expect) -> None:
+    """unshard()/reshard() on a unit that owns no parameters is a no-op."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for m in [*model, model]:
+        sw.fully_shard(m)
+    model.unshard()
+    model.reshard()
+    out = model(torch.randn(2, 4))
+    out.sum().backward()
+    ex.true(all(p.grad is not None for p in model.parameters()), "missing gradients")
+
+
+def unshard_without_lazy_init(rank: int, world: int, ex: Expect) -> None:
+    """unshard() before any forward registers the full parameters."""
+    torch.manual_seed(42)
+    model = MLP(4)
+    ref = copy.deepcopy(model)
+    sw.fully_shard(model)
+    model.unshard()
+    for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
+        ex.close(p.detach(), rp.detach(), f"{n} after unshard()")
+    model.reshard()
+    for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
+        ex.close(p.detach(), shard_rows(rp.detach(), rank, world), f"{n} after reshard()")
+
+
+def singleton_no_division(rank: int, world: int, ex: Expect) -> None:
+    """One rank: the gradient is not divided (the mean over one rank is itself)."""
+    model = nn.Linear(8, 4, bias=False)
+    sw.fully_shard(model)
+    model(torch.ones(3, 8)).sum().backward()
+    ex.close(model.weight.grad, torch.full((4, 8), 3.0), "weight grad")
+
+
+def size1_reduceop(rank: int, world: int, ex: Expect) -> None:
+    torch.manual_seed(42)
+    model = nn.Linear(64, 65)
+    ref = copy.deepcopy(model)
+    sw.fully_shard(model, reshard_after_forward=False)
+    opt = torch.optim.Adam(model.parameters())
+    ref_opt = torch.optim.Adam(ref.parameters())
+    inp = torch.randn(65, 64)
+    for it in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss = m(inp).sum()
+            loss.backward()
+            o.step()
+            if m is ref:
+                ref_loss = loss
+        ex.close(loss, ref_loss, f"iter {it}: loss")
+        ex.close(model.bias.grad, ref.bias.grad, f"iter {it}: bias grad")
