@@ -9,6 +9,7 @@ Argument: the checkpoint folder (one per launch).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -56,3 +57,6 @@ for _ in range(3):
 sw.save_checkpoint(sys.argv[1], model, opt, step=3)
 state = sw.full_state_dict(model)
 assert len(state) == 26, sorted(state)
+if rank == int(os.environ.get("SW_EXIT_FAIL_RANK", "-1")):
+    # The suite's check that a failing rank exits promptly with its own status.
+    raise RuntimeError(f"rank {rank} fails on purpose")
