@@ -192,26 +192,19 @@ def checkpointed_mixed_precision(rank: int, world: int) -> dict:
     """Activation checkpointing under bf16: the recomputation casts inputs as forward did."""
     # Blocks compute in bf16 and hand fp32 back; the root stays fp32, so every block's
     # input arrives in fp32 and must be cast again when the block is recomputed.
-    mp = sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
-
-    def shard(m: nn.Module) -> None:
-        for b in m.transformer.h:
-            sw.fully_shard(b, mp_policy=mp)
-        sw.fully_shard(m)
-
     # bf16 compute against an fp32 reference: bf16 rounding, not a reduction-order bound.
-    return run_parity(rank, world, CkptGPT, shard, _gpt_batch, _gpt_loss, tol=5e-2,
-                      what="checkpoint + bf16")
+    return run_parity(rank, world, CkptGPT, _bf16_blocks_fp32_root, _gpt_batch, _gpt_loss,
+                      tol=5e-2, what="checkpoint + bf16")
+
+
+def _bf16_blocks_fp32_root(m: nn.Module) -> None:
+    mp = sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    for b in m.transformer.h:
+        sw.fully_shard(b, mp_policy=mp)
+    sw.fully_shard(m)
 
 
 def per_unit_output_dtype(rank: int, world: int) -> dict:
     """A bf16 block that hands fp32 to an fp32 root (output_dtype on a non-root unit)."""
-    mp = sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
-
-    def shard(m: nn.Module) -> None:
-        for b in m.transformer.h:
-            sw.fully_shard(b, mp_policy=mp)
-        sw.fully_shard(m)
-
-    return run_parity(rank, world, NanoGPT, shard, _gpt_batch, _gpt_loss, tol=5e-2,
+    return run_parity(rank, world, NanoGPT, _bf16_blocks_fp32_root, _gpt_batch, _gpt_loss, tol=5e-2,
                       what="per-unit output_dtype")

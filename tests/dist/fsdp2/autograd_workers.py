@@ -54,9 +54,16 @@ def unused_forward_module(rank: int, world: int, ex: Expect, reshard_after_forwa
     ref = copy.deepcopy(model)
     for m in (model.lin1, model.lin2, model):
         sw.fully_shard(m, reshard_after_forward=reshard_after_forward)
+    _train_sum_loss(rank, world, ex, model, ref, 6)
+
+
+def _train_sum_loss(rank: int, world: int, ex: Expect, model: nn.Module, ref: nn.Module,
+                    iters: int) -> None:
+    """Adam on both, loss = sum of outputs; parity of loss, parameters and gradients each
+    iteration (zero_grad alternates between None and zeros)."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for it in range(6):
+    for it in range(iters):
         xs = global_batch(it, world, _rand)
         loss = model(xs[rank]).sum()
         loss.backward()
@@ -114,14 +121,4 @@ def nontensor_activations(rank: int, world: int, ex: Expect, container: str) -> 
     ref = copy.deepcopy(model)
     for m in [*model, model]:
         sw.fully_shard(m)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    for it in range(5):
-        xs = global_batch(it, world, _rand)
-        loss = model(xs[rank]).sum()
-        loss.backward()
-        ex.close(loss, ref_step(ref, xs, lambda m, x: m(x).sum())[rank], f"iter {it}: loss")
-        check_sharded_parity(ex, ref, model, rank, world, f"iter {it}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=bool(it % 2))
+    _train_sum_loss(rank, world, ex, model, ref, 5)
