@@ -27,7 +27,7 @@ BASE = [
     "--train.eval_interval", "0", "--train.eval_batches", "2", "--checkpoint.keep", "10",
     "--log.sample_tokens", "0", "--log.event_steps", "0",
 ]
-DIVERGE = ["--train.lr", "1e30", "--train.min_lr", "0", "--train.warmup_steps", "0",
+DIVERGE = ["--train.lr", "1e30", "--train.min_lr_ratio", "0", "--train.warmup_steps", "0",
            "--train.schedule", "constant"]
 
 

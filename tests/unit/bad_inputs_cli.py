@@ -52,7 +52,7 @@ TRAIN_CASES = [
     train("train.grad_accum", "0", "train.grad_accum=0 must be > 0"),
     train("train.lr", "inf", f"train.lr=inf {NA}: must be a finite float"),
     train("train.lr", "0", "train.lr=0.0 must be > 0"),
-    train("train.min_lr", "1", "train.min_lr=1.0 must be <= train.lr"),
+    train("train.min_lr_ratio", "1.5", "train.min_lr_ratio=1.5 must be in [0, 1]"),
     train("train.warmup_steps", "-1", "train.warmup_steps=-1 must be >= 0"),
     train("train.schedule", "step", "train.schedule='step' is not one of: cosine, linear, "
           "constant"),
