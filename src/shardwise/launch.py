@@ -119,7 +119,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     env_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
     try:
-        with _quiet_torchelastic(), workers_ignore_sigint(), sigint:
+        with _quiet_torchelastic(max_restarts), workers_ignore_sigint(), sigint:
             results = elastic_launch(config, _run_then_finish)(tmp, expected or {}, fn, *args)
         return [results[r] for r in sorted(results)]
     except SignalException as e:
@@ -163,31 +163,34 @@ class _Sigint:
 
 
 class _Restarts(logging.Handler):
-    """Swallows torchelastic's log records, keeping what a restart needs said in one line."""
+    """Swallows torchelastic's log records; a worker failure that torchelastic answers with
+    a restart is said in one line (the last failure is the caller's to report)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.last_failure = ""
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__(logging.ERROR)
+        self.max_restarts = max_restarts
+        self.failures = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.msg if isinstance(record.msg, str) else ""
         if msg.startswith("failed (exitcode"):
-            code, local_rank = record.args[0], record.args[1]  # type: ignore[index]
-            self.last_failure = f"rank {local_rank} failed ({_exit_text(code)})"
-        elif "will restart worker group" in msg:
-            log.warning("%s; restarting all workers from the latest checkpoint (%s/%s "
-                        "restarts left)", self.last_failure or "a worker failed",
-                        *record.args[2:4])  # type: ignore[index]
+            self.failures += 1
+            if self.failures <= self.max_restarts:
+                code, local_rank = record.args[0], record.args[1]  # type: ignore[index]
+                # The first failure torchelastic noticed, which may be a consequence (a rank
+                # whose peer died first): said as such.
+                log.warning("a worker failed (first seen: rank %s, %s); restarting all "
+                            "workers from the latest checkpoint (restart %d of %d)",
+                            local_rank, _exit_text(code), self.failures, self.max_restarts)
 
 
 @contextlib.contextmanager
-def _quiet_torchelastic() -> Iterator[None]:
-    names = ("torch.distributed.elastic", "torch.distributed.launcher")
+def _quiet_torchelastic(max_restarts: int) -> Iterator[None]:
+    names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
     loggers = [logging.getLogger(n) for n in names]
     saved = [(lg.level, lg.propagate, list(lg.handlers)) for lg in loggers]
-    handler = _Restarts()
+    handler = _Restarts(max_restarts)
     for lg in loggers:
-        lg.setLevel(logging.INFO)
         lg.propagate = False
         lg.handlers = [handler]
     try:

@@ -172,7 +172,7 @@ class TrainSection:
 
 @dataclass
 class ShardSection:
-    """The four FSDP knobs (see DESIGN.md).
+    """The four FSDP knobs (see docs/design.md).
 
     sharding_strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP) or
         HYBRID_SHARD (shard within a node, replicate across nodes).
