@@ -110,7 +110,7 @@ def test_a_failed_start_can_be_rerun_under_the_same_name(tmp_path: Path) -> None
 def test_progress_lines_launch_line_and_sample(traced: tuple[Path, str]) -> None:
     _, out = traced
     assert out.startswith("shardwise train: launching 2 workers")
-    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    steps = [line for line in out.splitlines() if re.match(r"step +\d+/", line)]
     assert steps and all(re.search(r"\| lr \d\.\d\de-\d\d \| gnorm [\d.]+ \|", s)
                          and re.search(r"\d+:\d\d elapsed, ETA \d+:\d\d$", s) for s in steps)
     assert "\ufffd" not in out  # undecodable sample bytes are escaped (\x..)
@@ -202,12 +202,3 @@ def test_help_names_only_files_that_exist(cmd: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for ref in re.findall(r"[\w./-]+\.md\b", proc.stdout):
         assert (ROOT / ref).exists(), f"`shardwise {cmd} --help` names {ref}"
-
-
-def test_launch_leaves_no_temporary_folders(traced: tuple[Path, str]) -> None:
-    import tempfile
-
-    tmp = Path(tempfile.gettempdir())
-    assert not list(tmp.glob("shardwise-launch-*"))
-    # torchelastic's own default folder holds one folder per run id; ours start "shardwise-".
-    assert not [p for p in tmp.glob("torchelastic_*/shardwise-*")]
