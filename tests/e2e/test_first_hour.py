@@ -202,3 +202,23 @@ def test_help_names_only_files_that_exist(cmd: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for ref in re.findall(r"[\w./-]+\.md\b", proc.stdout):
         assert (ROOT / ref).exists(), f"`shardwise {cmd} --help` names {ref}"
+
+
+def test_explorer_bytes_are_the_planners() -> None:
+    import shardwise as sw
+    from shardwise.explorer.problem import make_model
+    from shardwise.explorer.rank import wrap_policy
+    from shardwise.explorer.session import _relative
+    from shardwise.explorer.workers import RunConfig, WorkerGroup
+
+    group = WorkerGroup(2)
+    try:
+        cfg = RunConfig(world_size=2).to_json()
+        group.call("setup", config=cfg, seed=3)
+        replies = group.call("step", step=1)
+    finally:
+        group.close()
+    ranks = _relative([{"rank": r, "events": rep["events"]} for r, rep in enumerate(replies)])
+    sent = {sum(e["bytes"] for e in r["events"] if e["collective"]) for r in ranks}
+    planned = sw.plan(make_model(3), world_size=2, auto_wrap_policy=wrap_policy("layer"))
+    assert sent == {planned.comm.sent_bytes}
