@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import _worker  # noqa: F401  (first: see its docstring)
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.sharded import load_checkpoint, save_checkpoint

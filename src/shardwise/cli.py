@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -24,7 +25,10 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a command is required: the list on stderr, a usage error's status
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
@@ -34,11 +38,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"shardwise: error: unknown command {name!r}; choose one of: "
+        near = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        print(f"shardwise: error: unknown command {name!r}; {hint}choose one of: "
               f"{', '.join(COMMANDS)} (see `shardwise --help`)", file=sys.stderr)
         return 2
     module = importlib.import_module(f"shardwise.commands.{name}")
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        # A command without its own handling: one line, the shell's status for SIGINT.
+        print(f"shardwise {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from .launch import Interrupted, WorkerFailure
+
+        if isinstance(e, Interrupted):
+            print(f"shardwise {name}: interrupted ({e})", file=sys.stderr)
+            return e.exit_code
+        if isinstance(e, WorkerFailure):
+            if e.traceback:
+                print(f"shardwise {name}: rank {e.rank} crashed:\n{e.traceback.rstrip()}",
+                      file=sys.stderr)
+            print(f"shardwise {name}: error: rank {e.rank}: {e.message}", file=sys.stderr)
+            return e.exit_code
+        raise
 
 
 if __name__ == "__main__":

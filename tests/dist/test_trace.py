@@ -40,7 +40,7 @@ def _check_rank(evs: list[dict[str, Any]], rank: int, res: dict[str, Any]) -> No
     assert {e["args"]["unit"] for e in gathers} == units
     for step in range(1, W.STEPS + 1):
         for unit, nbytes in res["gather_bytes"].items():
-            got = [e["args"]["bytes"] for e in gathers
+            got = [e["args"]["buffer_bytes"] for e in gathers
                    if e["args"]["unit"] == unit and e["args"]["step"] == step]
             # FULL_SHARD gathers a resharded unit again for backward; the root stays gathered.
             assert got == [nbytes] * (2 if res["reshards"][unit] else 1), (unit, step, got)

@@ -21,9 +21,10 @@ def test_replay_shows_per_rank_timelines_and_memory(tmp_path) -> None:
         expect(page.get_by_test_id("replay-rank")).to_have_count(2)
         first = page.locator('[data-testid="replay-rank"][data-rank="0"]')
         # Steps 1 and 2 by default: 2 x 15 events; per step 2 gathers + 1 reduce-scatter
-        # of both units (2 x 2704 + 2704 bytes).
+        # of both units (2 x 2704 + 2704 bytes of buffers), of which each of the 2 ranks
+        # sends half.
         expect(first).to_contain_text("30 events")
-        expect(first).to_contain_text("16.2 KB")
+        expect(first).to_contain_text("8.1 KB")
         expect(page.get_by_test_id("replay-memory")).to_be_visible()
         expect(page.locator("#replay-table tr")).to_have_count(4)  # header + 3 steps
         page.locator("#replay-count").fill("1")

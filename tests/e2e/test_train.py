@@ -128,6 +128,14 @@ def test_resume_at_another_world_size(run: tuple[Path, str]) -> None:
     # Other batches (1 rank reads a smaller global batch), the same trained weights.
     assert all(abs(got[s] - ref[s]) < 0.3 for s in (5, 6))
     assert len(read_metrics(dst / "metrics.jsonl")[-1]["memory_mb"]) == 1
+    # The replay shows each step with the ranks it had: the resume dropped the events of
+    # the steps it ran again (the first run recorded step 5 on both ranks).
+    from shardwise.explorer.replay import load_run
+
+    summary = load_run(dst).summary()
+    by_step = {s["step"]: [r["rank"] for r in s["ranks"]] for s in summary["per_step"]}
+    assert by_step[4] == [0, 1] and by_step[5] == by_step[6] == [0]
+    assert all(r["comm_ms"] <= r["span_ms"] for s in summary["per_step"] for r in s["ranks"])
 
 
 def test_existing_run_folder_is_never_overwritten(run: tuple[Path, str]) -> None:

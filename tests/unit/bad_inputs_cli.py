@@ -52,7 +52,7 @@ TRAIN_CASES = [
     train("train.grad_accum", "0", "train.grad_accum=0 must be > 0"),
     train("train.lr", "inf", f"train.lr=inf {NA}: must be a finite float"),
     train("train.lr", "0", "train.lr=0.0 must be > 0"),
-    train("train.min_lr", "1", "train.min_lr=1.0 must be <= train.lr"),
+    train("train.min_lr_ratio", "1.5", "train.min_lr_ratio=1.5 must be in [0, 1]"),
     train("train.warmup_steps", "-1", "train.warmup_steps=-1 must be >= 0"),
     train("train.schedule", "step", "train.schedule='step' is not one of: cosine, linear, "
           "constant"),
@@ -160,13 +160,15 @@ EXPORT_CASES = [
         "such directory", knob="shardwise export CHECKPOINT"),
     cli(["export", str(Path(NOT_TOML).parent), ""], "''", f"out='' {NA}",
         knob="shardwise export OUT"),
-    cli(["export", str(Path(NOT_TOML).parent), NOT_TOML], "(a file)", f"out='{NOT_TOML}' {NA}",
-        knob="shardwise export OUT"),
+    cli(["export", str(Path(NOT_TOML).parent), NOT_TOML], "(a file)", f"out='{NOT_TOML}' {NA}: "
+        "it is a file", knob="shardwise export OUT"),
     cli("export", "(missing)", "the following arguments are required: checkpoint, out",
         knob="shardwise export (no arguments)"),
     cli("export ckpt out --max-shard-size 0", "0", "'0' must be at least 1 byte"),
     cli("export ckpt out --max-shard-size 5XB", "5XB", "'5XB' is not a size"),
     cli("export ckpt out --no-verify=yes", "yes", IGNORED),
+    cli("export ckpt out --force=yes", "yes", IGNORED),
+    cli("export ckpt out --verbose=yes", "yes", IGNORED),
 ]
 
 DEMO_CASES = [

@@ -209,7 +209,7 @@ def test_cli_export_offline_loads_with_load_file(ckpt: tuple, tmp_path: object,
         want = model(x)
     for limit, n_files in (("5GB", 1), ("400B", None)):
         out = os.path.join(str(tmp_path), f"out_{limit}")
-        assert export_cmd.main([path, out, "--max-shard-size", limit]) == 0
+        assert export_cmd.main([path, out, "--max-shard-size", limit, "--verbose"]) == 0
         printed = capsys.readouterr().out
         assert "verify [1/1] rank00000.safetensors" in printed
         assert "write  [1/" in printed and "embed.weight" in printed
@@ -235,10 +235,11 @@ def test_cli_export_offline_loads_with_load_file(ckpt: tuple, tmp_path: object,
     capsys.readouterr()
     assert os.listdir(os.path.dirname(single)) == ["lm.safetensors"]
     assert load_file(single).keys() == sd.keys()
-    # Damage is refused by name, with a non-zero exit and no traceback.
+    # Damage is refused by name: one `error:` line, exit 2, no traceback.
     _flip(os.path.join(path, "rank00000.safetensors"), -1)
-    assert export_cmd.main([path, os.path.join(str(tmp_path), "bad")]) == 1
-    assert "rank00000.safetensors is corrupted" in capsys.readouterr().err
+    assert export_cmd.main([path, os.path.join(str(tmp_path), "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "rank00000.safetensors is corrupted" in err and len(err.strip().splitlines()) == 1
 
 
 def test_parse_size() -> None:

@@ -333,8 +333,8 @@ def _refused_everywhere(ckpt: Path, tmp_path: Path, match: str,
         assert all(torch.equal(before[k], after[k]) for k in before)
     for flags in ([], ["--no-verify"]):
         capsys.readouterr()
-        assert export_cmd.main([str(ckpt), str(tmp_path / "out"), *flags]) == 1
-        assert "shardwise export:" in capsys.readouterr().err
+        assert export_cmd.main([str(ckpt), str(tmp_path / "out"), *flags]) == 2
+        assert "shardwise export: error:" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("make", [_torch_save_payload, _pickle_payload])

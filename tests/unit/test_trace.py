@@ -25,7 +25,7 @@ def test_lanes_keep_nesting_and_split_partial_overlaps() -> None:
 
 def _ev(unit: str, phase: str, coll: str, start: float, end: float, step: int,
         wait: float = 0.0, nbytes: int = 0) -> Event:
-    return Event(0, unit, phase, coll, nbytes, start, end, step, wait)
+    return Event(0, unit, phase, coll, nbytes, start, end, step, wait, group=2 if coll else 0)
 
 
 def test_overlap_rows_measure_union_and_waits() -> None:
@@ -38,7 +38,7 @@ def test_overlap_rows_measure_union_and_waits() -> None:
     rows = overlap_rows(evs, 0, marks={1: -1.0, 2: 9.0}, stop=12.0)
     r1, r2 = rows
     assert (r1.step, r1.wall_s, r1.compute_s, r1.comm_s, r1.exposed_s, r1.bytes) == (
-        1, 10.0, 3.0, 3.0, 0.75, 200)
+        1, 10.0, 3.0, 3.0, 0.75, 100)  # sent per rank: half of each 100-byte buffer
     assert r1.hidden == pytest.approx(0.75)
     assert (r2.wall_s, r2.comm_s, r2.hidden) == (3.0, 0.0, 0.0)
     rep = OverlapReport(rows)

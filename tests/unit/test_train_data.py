@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwise.train import data as D
@@ -92,3 +93,29 @@ def test_val_batches_are_fixed() -> None:
     a = [x for x, _ in D.val_batches(toks, 16, 4, 1, 2, 3)]
     b = [x for x, _ in D.val_batches(toks, 16, 4, 1, 2, 3)]
     assert all(torch.equal(p, q) for p, q in zip(a, b)) and len(a) == 3
+
+
+def test_check_size_refuses_what_the_workers_would(tmp_path) -> None:
+    """The launcher's check from file sizes alone (no worker started) raises the error that
+    split / BatchStream would raise after reading the text."""
+    from shardwise.train.data import check_size
+
+    (tmp_path / "small.txt").write_bytes(b"hello world!")
+    with pytest.raises(ValueError, match="the corpus has 12 bytes"):
+        check_size(str(tmp_path / "small.txt"), 8_000_000, 0, 0.05, 64, 8, 2)
+    for i, n in enumerate([5000, 0, 300, 7000]):
+        (tmp_path / f"f{i}").write_bytes(b"x" * n)
+    (tmp_path / "small.txt").unlink()
+    for max_bytes in (3000, 9000, 100_000):
+        text = D.read_corpus(str(tmp_path), max_bytes, 3)
+        try:
+            D.BatchStream(D.split(text, 0.05, 64).train, 64, 20, 0, 2, 3)
+            want = None
+        except ValueError as e:
+            want = str(e)
+        try:
+            check_size(str(tmp_path), max_bytes, 3, 0.05, 64, 20, 2)
+            got = None
+        except ValueError as e:
+            got = str(e)
+        assert got == want, max_bytes

@@ -68,13 +68,16 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_lr_schedule() -> None:
-    t = TrainSection(steps=100, lr=1.0, min_lr=0.1, warmup_steps=10)
+    t = TrainSection(steps=100, lr=1.0, min_lr_ratio=0.1, warmup_steps=10)
     assert lr_at(5, t) == pytest.approx(0.5)
     assert lr_at(10, t) == pytest.approx(1.0)
     assert lr_at(100, t) == pytest.approx(0.1)
     assert 0.1 < lr_at(55, t) < 1.0
-    c = TrainSection(steps=100, lr=1.0, min_lr=0.1, warmup_steps=0, schedule="constant")
+    c = TrainSection(steps=100, lr=1.0, min_lr_ratio=0.1, warmup_steps=0, schedule="constant")
     assert lr_at(1, c) == lr_at(100, c) == 1.0
+    # The end of the decay follows lr: a small lr needs no min_lr of its own.
+    small = TrainSection(steps=100, lr=1e-4)
+    assert lr_at(100, small) == pytest.approx(1e-5)
 
 
 def test_run_names_never_clobber(tmp_path) -> None:

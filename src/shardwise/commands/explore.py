@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
+import sys
 import threading
 import webbrowser
 from types import FrameType
@@ -100,18 +102,40 @@ def main(argv: list[str]) -> int:
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                             lifespan="on")
     server = _Server(config)
+    # uvicorn handles SIGTERM like Ctrl-C, then raises it again with the handler it found:
+    # this one, so the process ends through the line below (and Python's cleanup, which
+    # frees the rank queues' semaphores) instead of dying by the signal.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
-        pass  # uvicorn re-raises the Ctrl-C it handled; the shutdown already happened
+        server.signal = server.signal or signal.SIGINT  # the shutdown already happened
+    except _Terminated:
+        server.signal = server.signal or signal.SIGTERM
+    if server.signal:
+        name = signal.Signals(server.signal).name
+        print(f"shardwise explore: stopped ({name}); the explorer's ranks have exited",
+              file=sys.stderr)
+        return 128 + server.signal
     return 0
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(sig: int, frame: FrameType | None) -> None:
+    raise _Terminated
 
 
 class _Server(uvicorn.Server):
     """Also ends the live SSE streams when asked to exit: uvicorn's graceful shutdown waits
     for open responses, and an event stream to an open browser tab never ends by itself."""
 
+    signal = 0  # the signal that stopped the server (SIGINT or SIGTERM), for the exit status
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signal = self.signal or int(sig)
         end = getattr(self.config.app.state, "end_streams", None)
         if end is not None:
             try:

@@ -1,7 +1,10 @@
 """`shardwise export CHECKPOINT OUT`: a sharded checkpoint -> consolidated safetensors, offline.
 
 Runs in one process without a process group; memory stays bounded by the largest tensor
-(tensors are copied piece by piece from the per-rank files into the output).
+(tensors are copied piece by piece from the per-rank files into the output). CHECKPOINT may
+be a run folder (runs/NAME): its latest checkpoint is exported, and the summary says which.
+An existing output file, or a folder that already holds an export, is never overwritten
+without --force. One summary line; --verbose adds a line per file and tensor.
 """
 
 from __future__ import annotations
@@ -9,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 import time
+from pathlib import Path
 
-from ._args import Parser
+from ._args import Parser, report
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -33,11 +36,50 @@ def parse_size(text: str) -> int:
 
 def _human(n: int) -> str:
     size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
+        size /= 1024
     return f"{n} B"
+
+
+# What an export writes into a folder: --force replaces these and nothing else.
+_EXPORTED = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str]:
+    """A checkpoint folder, or a run folder (runs/NAME) or its checkpoints/ -> (the
+    checkpoint to export, how it was chosen: "" when given directly)."""
+    from shardwise.checkpoint.atomic import is_complete, previous_path
+    from shardwise.train import rundir
+
+    if is_complete(path) or is_complete(previous_path(path)):
+        return path, ""
+    p = os.path.abspath(path)
+    run = p if os.path.isdir(os.path.join(p, rundir.CKPT_DIR)) else os.path.dirname(p)
+    found = rundir.checkpoints(Path(run))
+    if os.path.basename(p) in (os.path.basename(run), rundir.CKPT_DIR) and found:
+        return str(found[-1][1]), "the run's latest checkpoint"
+    return path, ""
+
+
+def check_out(out: str, force: bool) -> list[str]:
+    """Refuse to overwrite without --force (a file, or a folder holding an export); return
+    the existing export files that --force replaces."""
+    if out.endswith(".safetensors"):
+        if os.path.isdir(out):
+            raise ValueError(f"out={out!r} is not allowed: it is a folder named like a file")
+        if os.path.exists(out) and not force:
+            raise ValueError(f"out={out!r} already exists; pass --force to overwrite it")
+        return []
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out={out!r} is not allowed: it is a file; give a folder or a file "
+                         "name ending in .safetensors")
+    old = sorted(n for n in os.listdir(out) if _EXPORTED.match(n)) if os.path.isdir(out) else []
+    if old and not force:
+        raise ValueError(f"out={out!r} already holds an export ({', '.join(old[:3])}"
+                         f"{', ...' if len(old) > 3 else ''}); pass --force to overwrite it")
+    return [os.path.join(out, n) for n in old]
 
 
 def main(argv: list[str]) -> int:
@@ -46,44 +88,56 @@ def main(argv: list[str]) -> int:
     ap = Parser(
         prog="shardwise export", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="a checkpoint directory written by sw.save_checkpoint")
-    ap.add_argument("out", help="output directory (model.safetensors, or shards + index)")
+    ap.add_argument("checkpoint", help="a checkpoint folder written by sw.save_checkpoint, or "
+                                       "a run folder (runs/NAME): its latest checkpoint")
+    ap.add_argument("out", help="an output folder (model.safetensors, or shards + index) or "
+                                "a file name ending in .safetensors (exactly that one file)")
     ap.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                     metavar="SIZE", help="split files past this size, e.g. 5GB, 500MiB "
                                          "(default 5GB)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking each checkpoint file's SHA-256 first")
+    ap.add_argument("--force", action="store_true",
+                    help="overwrite an existing output file, or the export files in the folder")
+    ap.add_argument("--verbose", action="store_true", help="one line per file and tensor")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.checkpoint):
         ap.error(f"checkpoint={args.checkpoint!r} is not allowed: no such directory (give a "
-                 "checkpoint folder written by sw.save_checkpoint)")
-    if not args.out or (os.path.exists(args.out) and not os.path.isdir(args.out)):
-        ap.error(f"out={args.out!r} is not allowed: give an output folder")
+                 "checkpoint folder written by sw.save_checkpoint, or a run folder)")
+    if not args.out:
+        ap.error(f"out={args.out!r} is not allowed: give an output folder or a .safetensors "
+                 "file name")
+    try:
+        replaced = check_out(args.out, args.force)
+    except ValueError as e:
+        ap.error(str(e))
+    ckpt, chosen = resolve_checkpoint(args.checkpoint)
 
     from shardwise.checkpoint.export import export_checkpoint
     from shardwise.checkpoint.manifest import CheckpointError
 
     t0 = time.monotonic()
-    total = 0
+    total = count = 0
 
     def progress(p: ExportProgress) -> None:
-        nonlocal total
-        if p.phase == "verify":
-            print(f"verify [{p.index}/{p.count}] {p.name} ({_human(p.nbytes)})", flush=True)
-        else:
-            total += p.nbytes
-            print(f"write  [{p.index}/{p.count}] {p.name} ({_human(p.nbytes)})", flush=True)
+        nonlocal total, count
+        if p.phase != "verify":
+            total, count = total + p.nbytes, count + 1
+        if args.verbose:
+            what = "verify" if p.phase == "verify" else "write "
+            print(f"{what} [{p.index}/{p.count}] {p.name} ({_human(p.nbytes)})", flush=True)
 
     try:
-        files = export_checkpoint(args.checkpoint, args.out,
-                                  max_shard_bytes=args.max_shard_size,
+        for f in replaced:  # refused above unless --force
+            os.remove(f)
+        files = export_checkpoint(ckpt, args.out, max_shard_bytes=args.max_shard_size,
                                   verify=not args.no_verify, progress=progress)
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"shardwise export: {e}", file=sys.stderr)
-        return 1
+        return report("shardwise export", e)
     dt = time.monotonic() - t0
-    print(f"wrote {len(files)} file{'s' if len(files) != 1 else ''}, {_human(total)} of "
-          f"tensors in {dt:.1f}s:")
-    for f in files:
-        print(f"  {f}")
+    where = files[0] if len(files) == 1 else f"{os.path.dirname(files[0])} ({len(files)} files)"
+    source = f"{ckpt} ({chosen})" if chosen else ckpt
+    print(f"exported {source} -> {where}: {count} tensors, {_human(total)}, {dt:.1f} s"
+          + (f" (replaced {len(replaced)} file{'s' if len(replaced) != 1 else ''})"
+             if replaced else ""))
     return 0

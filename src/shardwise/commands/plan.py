@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..planner import report as R
 from ._args import Parser, at_least, finite, report
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -37,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--interconnect", help=f"between nodes: {', '.join(INTERCONNECTS)}")
     ap.add_argument("--ranks-per-node", type=int, help="default: the device's (8)")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
-    ap.add_argument("--seq-len", type=int, help="tokens per sequence (--model: its block size)")
+    ap.add_argument("--seq-len", type=int,
+                    help="tokens per sequence (default: the model's context length, with batch "
+                         "1 unless --batch-size is given)")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="keep only each block's input; recompute the block in backward")
     ap.add_argument("--cpu-offload", action="store_true",
@@ -54,44 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _count(n: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def _flop(n: float) -> str:
-    for unit, div in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
-        if n >= div:
-            return f"{n / div:.3g} {unit}"
-    return f"{n / 1e6:.3g} MFLOP"
-
-
-def _secs(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
-
-
 def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str]:
     if args.model:
         import torch
 
         from ..train.model import GPT, preset
 
+        args.model = args.model.lower()  # `7B` names the preset `7b`
         cfg = preset(args.model)  # raises with the allowed names
         with torch.device("meta"):
             model = GPT(cfg)
-        if args.seq_len is None and args.batch_size is not None:
-            args.seq_len = cfg.block_size
         return model, None, f"GPT '{args.model}'"
     shape = None
     given = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
@@ -102,7 +77,7 @@ def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str
         shape = {"n_layers": given["layers"], "d_model": given["hidden"],
                  "n_heads": given["heads"],
                  "vocab_size": 32000 if given["vocab"] is None else given["vocab"]}
-    return args.params, shape, f"{_count(args.params)} parameters"
+    return args.params, shape, f"{R.count(args.params)} parameters"
 
 
 def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
@@ -140,66 +115,25 @@ def _best(plans: dict[str, object]) -> str | None:
     return min(ok, key=lambda s: ok[s].per_rank.total_bytes)
 
 
-def _table(p: object) -> list[str]:
-    r = p.per_rank
-    rows = [
-        ("parameters (sharded, fp32 masters)", r.params_bytes),
-        ("gradients (sharded)", r.grads_bytes),
-        (f"optimizer state ({p.optimizer})", r.optimizer_bytes),
-        ("= model states", r.model_states_bytes),
-        ("gathered units, peak (prefetch incl.)", r.unsharded_bytes),
-        ("communication buffers, peak", r.comm_buffers_bytes),
-        ("activations, peak", r.activations_bytes),
-        ("module buffers", r.buffers_bytes),
-        ("optimizer step temporaries", r.optimizer_temp_bytes),
-    ]
-    out = [f"{p.sharding_strategy} per rank (rank 0 holds the most; shard {p.shard_size} x "
-           f"replicate {p.replicate_size}):"]
-    out += [f"  {name:<40} {_size(v):>11}" for name, v in rows]
-    out.append(f"  {'peak forward / backward / step':<40} "
-               f"{_size(r.peak_forward_bytes)} / {_size(r.peak_backward_bytes)} / "
-               f"{_size(r.peak_step_bytes)}")
-    line = f"  {'total (the step peak)':<40} {_size(r.total_bytes):>11}"
-    if p.usable_bytes is not None:
-        line += f"  of {_size(p.usable_bytes)} usable: {'fits' if p.fits else 'DOES NOT FIT'}"
-        if p.max_batch_size is not None:
-            line += f"; largest batch {p.max_batch_size}"
-    out.append(line)
-    if r.host_bytes:
-        out.append(f"  {'host memory (CPU offload)':<40} {_size(r.host_bytes):>11}")
-    c = p.comm
-    out.append(f"  sent per rank per step: {_size(c.sent_bytes)} (all-gather "
-               f"{_size(c.all_gather_bytes)}, reduce-scatter {_size(c.reduce_scatter_bytes)}, "
-               f"all-reduce {_size(c.all_reduce_bytes)}; intra-node {_size(c.intra_node_bytes)}, "
-               f"inter-node {_size(c.inter_node_bytes)}), received the same")
-    t = p.time
-    if t is not None:
-        out.append(f"  {_flop(t.model_flops)} per rank per step; step "
-                   f"{_secs(t.step_s)} (overlapped {_secs(t.step_s_overlap)}, serial "
-                   f"{_secs(t.step_s_serial)}: compute {_secs(t.compute_s)}, communication "
-                   f"{_secs(t.comm_s)}, optimizer {_secs(t.optimizer_s)})")
-        out.append(f"  MFU {100 * t.mfu:.0f}%, {t.tokens_per_s:,.0f} tokens/s for the job")
-        out.append(f"  verdict: {t.verdict}")
-    return out
-
-
 def _compare(plans: dict[str, object], best: str | None) -> list[str]:
     head = (f"  {'strategy':<15} {'states':>10} {'total':>10} {'fits':>5} {'max b':>6} "
             f"{'sent/rank':>10} {'step':>9} {'MFU':>5}")
     out = ["every strategy, side by side (* fits and runs fastest; steps within 2% of the "
-           "fastest tie, and the one needing less memory wins):", head]
+           "fastest tie, and the one needing less memory wins; fits ?: model states fit, "
+           "activations unknown):", head]
     for s, p in plans.items():
         if isinstance(p, Exception):
             out.append(f"  {s:<15} n/a: {p}")
             continue
-        fits = "-" if p.fits is None else ("yes" if p.fits else "no")
+        fits = ("-" if p.verdict is None else "?") if p.fits is None else (
+            "yes" if p.fits else "no")
         mb = "-" if p.max_batch_size is None else str(p.max_batch_size)
-        step = _secs(p.time.step_s) if p.time else "-"
+        step = R.secs(p.time.step_s) if p.time else "-"
         mfu = f"{100 * p.time.mfu:.0f}%" if p.time else "-"
         mark = "*" if s == best else " "
-        out.append(f"{mark} {s:<15} {_size(p.per_rank.model_states_bytes):>10} "
-                   f"{_size(p.per_rank.total_bytes):>10} {fits:>5} {mb:>6} "
-                   f"{_size(p.comm.sent_bytes):>10} {step:>9} {mfu:>5}")
+        out.append(f"{mark} {s:<15} {R.size(p.per_rank.model_states_bytes):>10} "
+                   f"{R.size(p.per_rank.total_bytes):>10} {fits:>5} {mb:>6} "
+                   f"{R.size(p.comm.sent_bytes):>10} {step:>9} {mfu:>5}")
     return out
 
 
@@ -216,11 +150,11 @@ def _calibrate(args: argparse.Namespace, what: object,
     d, h = (s.d_model, s.n_heads) if s else (1024, 8)
     ffn = s.ffn_dim if s else 4 * d
     cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, d // h))
-    bw = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in cal.collective_bandwidth.items())
+    bw = ", ".join(f"{k} {v / 2**30:.2f} GiB/s" for k, v in cal.collective_bandwidth.items())
     line = (f"calibrated {args.nproc} local ranks x {cal.threads} threads (wall clock, the "
             f"machine's load included): {cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul "
             f"per rank, attention at {100 * cal.attention_efficiency:.0f}% of it, memory "
-            f"{cal.memory_bandwidth / 1e9:.1f} GB/s, gloo {bw}, latency "
+            f"{cal.memory_bandwidth / 2**30:.1f} GiB/s, gloo {bw}, latency "
             f"{cal.latency_s * 1e6:.0f} us")
     return cal.device(), cal.interconnect(), line
 
@@ -256,18 +190,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps(chosen.to_dict(), indent=2))
         return 0
     p = chosen
-    batch = f", batch {p.batch_size} x {p.seq_len} tokens per rank" if p.batch_size else ""
-    print(f"shardwise plan: {label} ({_count(p.params)} params, {p.units} units) on "
-          f"{p.world_size} x {p.device or 'any device'}"
-          + (f" ({p.interconnect})" if p.interconnect else "")
-          + f", {p.mixed_precision}, {p.optimizer}{batch}")
+    print(f"shardwise plan: {R.headline(p, label)}")
     for line in header:
         print(line)
     print()
-    for line in _table(p):
+    for line in R.table(p):  # what `print(sw.plan(...))` shows too
         print(line)
-    for note in p.notes:
-        print(f"  note: {note}")
     print()
     for line in _compare(plans, _best(plans)):
         print(line)

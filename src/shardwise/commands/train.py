@@ -2,23 +2,30 @@
 
 `--nproc N` starts PyTorch's own elastic launcher in-process (torchrun --standalone); under
 an existing torchrun (single- or multi-node) the command just runs on its rank. The console
-(progress bar, validation lines, summary) is printed by rank 0 only.
+(progress bar, validation lines, summary) is printed by rank 0 only (train_console.py).
+
+How it ends: 0; 2 with one `error:` line for a mistake in the config, the data, a
+checkpoint or a resume, whichever process found it (checked before any worker starts where
+possible); 3 on a non-finite step; 1 with the failing rank's traceback for a crash; 130
+(Ctrl-C) or 143 (SIGTERM) with one line saying where the run stopped and how to continue.
+A run that ends before its first step leaves no run folder behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from ..train import config as C
 from ..train import options as O
 from ..train import rundir
+from ._args import report
+from .train_console import ConsoleReporter
+
+PROG = "shardwise train"
 
 
 def load_config(argv: list[str]) -> C.Config:
@@ -34,113 +41,42 @@ def load_config(argv: list[str]) -> C.Config:
         for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads", "trace",
                   "max_restarts"):
             saved.pop(k, None)
+        if "train.min_lr" in saved:  # written before min_lr became a fraction of lr
+            lr = float(saved.get("train.lr", C.TrainSection.lr))
+            saved["train.min_lr_ratio"] = float(saved.pop("train.min_lr")) / lr
         cfg = O.build({**saved, **merged, "name": cfg.name})
+        rundir.check_resume(cfg)
     return cfg
 
 
-def _mem(values: list[float]) -> str:
-    return "/".join(f"{v:.0f}" if v >= 100 else f"{v:.1f}" for v in values) + " MB"
+def schedule_note(cfg: C.Config) -> str | None:
+    """On --resume with another train.steps: what happens to the learning-rate schedule."""
+    if not cfg.resume:
+        return None
+    saved = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
+    old_steps = O.read_toml(saved).get("train.steps") if saved.exists() else None
+    t = cfg.train
+    if old_steps is None or int(old_steps) == t.steps or t.schedule == "constant":
+        return None
+    import dataclasses
+
+    from ..train.trainer import lr_at
+
+    start = rundir.checkpoints(Path(cfg.out_dir).expanduser() / cfg.name)[-1][0]
+    old = dataclasses.replace(t, steps=int(old_steps))
+    return (f"train.steps {old_steps} -> {t.steps} on resume: the {t.schedule} decay is "
+            f"stretched over {t.steps} steps, so the lr of step {start + 1} goes from "
+            f"{lr_at(start + 1, old):.2e} (the old schedule) to {lr_at(start + 1, t):.2e}, "
+            f"reaching {t.lr * t.min_lr_ratio:.2e} at step {t.steps}")
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} GB"
+def precheck(cfg: C.Config, nproc: int) -> None:
+    """What can fail on every rank alike, checked before any process starts."""
+    from ..train import data as D
 
-
-class ConsoleReporter:
-    """Rank 0's console: a header, a tqdm bar, validation lines and the end summary."""
-
-    def __init__(self) -> None:
-        self.bar: tqdm | None = None
-        self.tok_s = math.nan
-        # Not a terminal (a log file, CI): plain lines, about 20 per run, instead of a bar
-        # whose carriage returns would pile up in the file.
-        self.plain_every = 0
-
-    def start(self, info: dict[str, Any]) -> None:
-        cfg: C.Config = info["config"]
-        g = cfg.model.gpt()
-        s = cfg.shard
-        print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M params, "
-              f"{g.n_layer} layers, d={g.d_model}, context {g.block_size}) on {info['world']} "
-              f"ranks ({info['device']}, {info['threads']} threads/rank)")
-        print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
-              f", cpu_offload={s.cpu_offload}; each rank holds {info['local_params']:,} of "
-              f"{info['params']:,} parameters")
-        if "precision_plan" in info:
-            print(f"  {info['precision_plan']}")
-        data = cfg.data.path or "the Python standard library's .py sources"
-        print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
-              f"{info['tokens_per_step']:,} tokens per step")
-        if info["start_step"]:
-            print(f"  resumed at step {info['start_step']}")
-        print(f"  run folder: {info['run_dir']}")
-        if sys.stdout.isatty():
-            self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
-                            dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-        else:
-            self.plain_every = max(1, (info["steps"] - info["start_step"]) // 20)
-
-    def step(self, record: dict[str, Any]) -> None:
-        # A smoothed rate: single steps on a shared CPU are noisy.
-        r = record["tokens_per_s"]
-        self.tok_s = r if math.isnan(self.tok_s) else 0.8 * self.tok_s + 0.2 * r
-        line = (f"loss {record['loss']:.3f} | {self.tok_s:,.0f} tok/s | "
-                f"mem {_mem(record['memory_mb'])}")
-        if self.bar is not None:
-            self.bar.set_postfix_str(line, refresh=False)
-            self.bar.update(1)
-        elif record["step"] % self.plain_every == 0:
-            print(f"step {record['step']:>5} | {line}", flush=True)
-        if record.get("nonfinite"):
-            tqdm.write(f"step {record['step']:>5}: non-finite loss or grad norm; step skipped "
-                       f"({record['nonfinite_skipped']} so far)", file=sys.stdout)
-
-    def eval(self, step: int, val_loss: float) -> None:
-        tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)
-
-    def checkpoint(self, step: int, path: str) -> None:
-        pass  # the summary names the folder; one line per checkpoint would crowd the bar
-
-    def end(self, s: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        unsharded = [p - st + s["unsharded_state_mb"]
-                     for p, st in zip(s["peak_memory_mb"], s["state_mb"])]
-        print(f"\ndone: step {s['steps']} ({s['steps'] - s['start_step']} steps in "
-              f"{s['wall_s']:.0f} s on {s['world']} ranks)")
-        print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
-              f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
-        print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
-        kind = "GPU allocated" if s["device"] == "cuda" else "RSS"
-        print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}); "
-              f"unsharded about {_mem(unsharded)}")
-        print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
-              f"unsharded {s['unsharded_state_mb']:.1f} MB")
-        parts = ", ".join(f"{k.replace('_', '-')} {_bytes(v)}"
-                          for k, v in sorted(s["bytes_per_step_rank0"].items()))
-        print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
-              f"per step per rank (rank 0: {parts or 'none'}; from the engine's events)")
-        print(f"  run folder       {s['run_dir']}")
-        if s.get("nonfinite_skipped"):
-            print(f"  skipped steps    {s['nonfinite_skipped']} (non-finite loss or grad norm)")
-        if s.get("trace"):
-            _print_trace(s["trace"])
-        if s["sample"]:
-            print("\nsample:\n" + s["sample"].rstrip() + "\n")
-
-
-def _print_trace(tr: dict[str, Any]) -> None:
-    from ..observe.overlap import OverlapReport
-
-    report = OverlapReport.from_dict(tr["report"])
-    print("\noverlap (mean over ranks; exposed = time blocked waiting for communication):")
-    print("  " + report.table().replace("\n", "\n  "))
-    print(f"  trace: {tr['merged']} (open in https://ui.perfetto.dev); per rank and "
-          f"overlap.json in {tr['dir']}")
+    d, t = cfg.data, cfg.train
+    D.check_size(d.path or None, d.max_bytes, d.seed, d.val_fraction,
+                 cfg.model.gpt().block_size, t.batch_size, nproc)
 
 
 def worker(cfg: C.Config) -> dict[str, Any]:
@@ -154,11 +90,18 @@ def worker(cfg: C.Config) -> dict[str, Any]:
     except NonFiniteError as e:
         # Raised on every rank alike: a clean end with an exit status, not a traceback per
         # rank (and, with --nproc, not a restart that would only diverge again).
-        import torch.distributed as dist
+        from ..engine import collectives
 
-        if dist.get_rank() == 0:
-            print(f"shardwise train: error: {e}", file=sys.stderr, flush=True)
+        if collectives.rank() == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return {"error": str(e), "exit_code": EXIT_NONFINITE}
+
+
+def expected_errors() -> dict[type[BaseException], int]:
+    """Errors raised on purpose -> exit status: one line, no traceback."""
+    import shardwise as sw
+
+    return {ValueError: 2, sw.CheckpointError: 2, sw.CollectiveError: 1}
 
 
 def default_nproc() -> int:
@@ -167,20 +110,61 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def stopped_line(cfg: C.Config, run: Path) -> str:
+    """Where an interrupted run stands, and the command that continues it."""
+    step, found = rundir.last_step(run), rundir.checkpoints(run)
+    if step == 0 and not found:
+        return "interrupted before the first step; nothing was saved"
+    head = f"interrupted after step {step} of {cfg.train.steps}"
+    if found:
+        return (f"{head}; latest checkpoint {found[-1][1].name}; continue with "
+                f"`shardwise train --name {cfg.name} --resume`")
+    return (f"{head}, before the first checkpoint (checkpoint.interval="
+            f"{cfg.checkpoint.interval}); run the same command with --overwrite to start again")
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(O.help_text())
         return 0
-    from ..launch import launch, under_torchrun
+    from ..launch import Interrupted, WorkerFailure, launch, under_torchrun
 
     if under_torchrun():
         return _under_torchrun(argv)
     try:
         cfg = load_config(argv)
+        nproc = cfg.nproc or default_nproc()
+        precheck(cfg, nproc)
+        note = schedule_note(cfg)
     except ValueError as e:
-        print(f"shardwise train: error: {e}", file=sys.stderr)
-        return 2
-    results = launch(worker, cfg.nproc or default_nproc(), cfg, max_restarts=cfg.max_restarts)
+        return report(PROG, e)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted before the workers started", file=sys.stderr)
+        return 130
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if note:
+        print(f"{PROG}: warning: {note}", file=sys.stderr)
+    run = Path(cfg.out_dir).expanduser() / cfg.name
+    # A folder this invocation creates may be removed again if nothing was trained in it.
+    fresh = not cfg.resume and (cfg.overwrite or not run.exists() or not any(run.iterdir()))
+    print(f"{PROG}: launching {nproc} workers (torch.distributed elastic, "
+          f"run folder {run})...", flush=True)
+    try:
+        results = launch(worker, nproc, cfg, max_restarts=cfg.max_restarts,
+                         expected=expected_errors())
+    except Interrupted as e:
+        if fresh:
+            rundir.discard_unstarted(run)
+        print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+        return e.exit_code
+    except WorkerFailure as e:
+        if fresh:
+            rundir.discard_unstarted(run)
+        if e.traceback:
+            print(f"{PROG}: rank {e.rank} crashed:\n{e.traceback.rstrip()}", file=sys.stderr)
+            print(f"{PROG}: error: rank {e.rank}: {e.message}", file=sys.stderr)
+            return e.exit_code
+        return report(PROG, e.message)
     return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 
@@ -195,7 +179,8 @@ def _under_torchrun(argv: list[str]) -> int:
     """Rank 0 resolves the config (and the run folder's name); every rank gets its answer.
 
     Resolving on every rank would race: rank 0 creates the folder that another rank's
-    "never overwrite" check then finds.
+    "never overwrite" check then finds. An expected error is one line from rank 0 and exit
+    status 2 on every rank (torchrun itself then reports the failed workers).
     """
     import shardwise as sw
     from shardwise.engine import collectives
@@ -210,9 +195,20 @@ def _under_torchrun(argv: list[str]) -> int:
     answer = collectives.broadcast_json(answer, src=0)
     if "error" in answer:
         if rank == 0:
-            print(f"shardwise train: error: {answer['error']}", file=sys.stderr)
+            report(PROG, ValueError(answer["error"]))
         collectives.finish()
         return 2
-    result = worker(_config_from_dict(answer["config"]))
+    cfg = _config_from_dict(answer["config"])
+    try:
+        result = worker(cfg)
+    except tuple(expected_errors()) as e:
+        if rank == 0:
+            report(PROG, e)
+        return expected_errors().get(type(e), 2)
+    except KeyboardInterrupt:
+        if rank == 0:
+            run = Path(cfg.out_dir).expanduser() / cfg.name
+            print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+        return 130
     collectives.finish()
     return int(result.get("exit_code", 0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import traceback
 from typing import Any
 
@@ -173,7 +174,12 @@ class RankTrainer:
 
 def rank_main(rank: int, world: int, port: int, cmd_q: Any, out_q: Any, backend: str,
               timeout_s: float) -> None:
-    """Process entry: join the group, then serve commands until `close` (or the parent dies)."""
+    """Process entry: join the group, then serve commands until `close` (or the parent dies).
+
+    SIGINT is ignored (the server handles Ctrl-C and sends `close`); SIGTERM ends the
+    process silently.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

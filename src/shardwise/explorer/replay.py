@@ -10,6 +10,11 @@ and bytes per rank, metrics), and on request a window of steps with every event 
 shared time axis plus the unsharded working set over time, reconstructed from the events:
 an all-gather of a unit makes its full parameters live (its output bytes), the unit's
 reshard frees them.
+
+A run resumed at another world size has steps with different ranks: each step lists only
+the ranks that recorded it (a resume drops the events of the steps it runs again,
+train/rundir.py). Bytes are what each rank sent ([Note: communication bytes]); events
+recorded before `group` was written count the step's ranks as the group.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..observe.events import Event
+from ..observe.events import Event, wire_bytes
+from ..observe.overlap import union_length
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +51,14 @@ def _event(row: dict) -> Event | None:
     try:
         return Event(int(row["rank"]), str(row["unit"]), str(row["phase"]),
                      str(row.get("collective", "")), int(row.get("bytes", 0)),
-                     float(row["start"]), float(row["end"]), int(row.get("step", -1)))
+                     float(row["start"]), float(row["end"]), int(row.get("step", -1)),
+                     float(row.get("wait", 0.0)), int(row.get("group", 0)))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _sent(e: Event, ranks: int) -> int:
+    return wire_bytes(e.collective, e.bytes, e.group or ranks)
 
 
 @dataclass
@@ -65,19 +76,28 @@ class Replay:
     def steps(self) -> list[int]:
         return sorted({e.step for evs in self.events.values() for e in evs})
 
+    def _by_step(self, steps: set[int]) -> dict[int, dict[int, list[Event]]]:
+        """step -> rank -> events, for the ranks that recorded that step."""
+        out: dict[int, dict[int, list[Event]]] = {s: {} for s in steps}
+        for r, evs in self.events.items():
+            for e in evs:
+                if e.step in out:
+                    out[e.step].setdefault(r, []).append(e)
+        return out
+
     def summary(self) -> dict[str, Any]:
         per_step = []
-        for s in self.steps:
+        for s, ranks in sorted(self._by_step(set(self.steps)).items()):
             row: dict[str, Any] = {"step": s, "ranks": []}
-            for r in self.ranks:
-                evs = [e for e in self.events[r] if e.step == s]
+            for r, evs in sorted(ranks.items()):
                 row["ranks"].append({
                     "rank": r,
                     # Wall time of the step's recorded events (collectives overlap compute).
-                    "span_ms": 1e3 * (max((e.end for e in evs), default=0.0)
-                                      - min((e.start for e in evs), default=0.0)),
-                    "comm_ms": 1e3 * sum(e.end - e.start for e in evs if e.collective),
-                    "bytes": sum(e.bytes for e in evs if e.collective),
+                    "span_ms": 1e3 * (max(e.end for e in evs) - min(e.start for e in evs)),
+                    # Time with a collective in flight: overlapping ones count once.
+                    "comm_ms": 1e3 * union_length((e.start, e.end) for e in evs
+                                                  if e.collective),
+                    "bytes": sum(_sent(e, len(ranks)) for e in evs if e.collective),
                     "working_peak": max((b for _, b in working_set(evs)), default=0),
                 })
             per_step.append(row)
@@ -90,15 +110,19 @@ class Replay:
         """Events of steps [start, start+count) on one time axis (ms from the first)."""
         count = max(1, min(int(count), MAX_WINDOW))
         wanted = {s for s in self.steps if start <= s < start + count}
+        by_step = self._by_step(wanted)
         chosen = {r: [e for e in evs if e.step in wanted] for r, evs in self.events.items()}
         t0 = min((e.start for evs in chosen.values() for e in evs), default=0.0)
         ranks = []
         for r in self.ranks:
             evs = chosen[r]
+            if not evs and wanted:
+                continue  # this rank did not exist in these steps
             ranks.append({
                 "rank": r,
                 "events": [{"unit": e.unit, "phase": e.phase, "collective": e.collective,
-                            "bytes": e.bytes, "step": e.step,
+                            "bytes": _sent(e, len(by_step[e.step])),
+                            "buffer_bytes": e.bytes, "step": e.step,
                             "t0": round((e.start - t0) * 1e3, 3),
                             "t1": round((e.end - t0) * 1e3, 3)} for e in evs],
                 "memory": [[round((t - t0) * 1e3, 3), b] for t, b in working_set(evs)],

@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from ..observe.events import wire_bytes
 from .caution import caution
 from .problem import EXTENT, GRID, N_POINTS
 from .workers import RunConfig, WorkerError, WorkerGroup, offload_support
@@ -37,8 +38,10 @@ def _relative(ranks: list[dict]) -> list[dict]:
     t0 = min(starts, default=0.0)
     for r in ranks:
         evs = sorted(r.get("events", []), key=lambda e: (e["start"], e["end"]))
+        # "bytes": what the rank sent (and received alike), [Note: communication bytes].
         r["events"] = [{"unit": e["unit"], "phase": e["phase"], "collective": e["collective"],
-                        "bytes": e["bytes"], "t0": round((e["start"] - t0) * 1e3, 3),
+                        "bytes": wire_bytes(e["collective"], e["bytes"], e.get("group", 0)),
+                        "buffer_bytes": e["bytes"], "t0": round((e["start"] - t0) * 1e3, 3),
                         "t1": round((e["end"] - t0) * 1e3, 3), "live": e["live"]}
                        for e in evs]
         r.pop("t0", None)

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ..launch import workers_ignore_sigint
+
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 PRECISIONS = ("none", "bf16", "fp16")
 WRAPS = ("layer", "model")
@@ -141,8 +143,11 @@ class WorkerGroup:
                               collective_timeout_s))
             for r in range(world)
         ]
-        for p in self._procs:
-            p.start()
+        # The server alone handles Ctrl-C and closes the group; a rank still importing torch
+        # would otherwise print its own KeyboardInterrupt ([Note: worker signals]).
+        with workers_ignore_sigint():
+            for p in self._procs:
+                p.start()
         self.devices = [r["device"] for r in self._collect(-1, timeout_s=120.0)]
 
     @property

@@ -3,6 +3,13 @@
 The engine emits an `Event` only when a sink is attached to the model (`attach_sink`); with no
 sink, the hot path pays one empty-list check. Everything that observes a run (metrics, traces,
 the explorer) reads these events, so this file is the schema's single definition.
+
+[Note: communication bytes] "Bytes communicated" means one thing everywhere (train's
+summary, metrics.jsonl, traces, the explorer, the planner): the bytes one rank sends per
+collective, which in a ring it also receives. Over a group of g ranks an all-gather or a
+reduce-scatter of a B-byte buffer sends (g-1)/g * B per rank, an all-reduce twice that
+(`wire_bytes`). An event's `bytes` is the buffer B as the engine allocates it; `group` is
+g, filled in by `attach_sink` from the unit's mesh.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class Event:
         its `wait()`, or for the whole call when the collective ran synchronously. The rest
         of [start, end] ran behind other work; `wait` is the communication it exposed
         (0 for compute intervals).
+    group: ranks in the collective's group (0: not known, as in files written before it
+        was recorded); see [Note: communication bytes].
     """
 
     rank: int
@@ -46,9 +55,24 @@ class Event:
     end: float
     step: int = -1
     wait: float = 0.0
+    group: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank sent (and received) in this collective; 0 for compute."""
+        return wire_bytes(self.collective, self.bytes, self.group)
+
+
+def wire_bytes(collective: str, buffer_bytes: int, group: int) -> int:
+    """Bytes one rank sends, and in a ring receives, in one collective of a `buffer_bytes`
+    buffer over `group` ranks; see [Note: communication bytes]."""
+    if not collective or group <= 1:
+        return 0
+    factor = 2 if collective == "all_reduce" else 1
+    return factor * (group - 1) * buffer_bytes // group
 
 
 EventSink = Callable[[Event], None]

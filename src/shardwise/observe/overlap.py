@@ -102,7 +102,7 @@ def overlap_rows(events: list[Event], rank: int, marks: dict[int, float] | None 
             compute_s=union_length((e.start, e.end) for e in evs if not e.collective),
             comm_s=union_length((e.start, e.end) for e in comm),
             exposed_s=sum(e.wait for e in comm),
-            bytes=sum(e.bytes for e in comm)))
+            bytes=sum(e.wire_bytes for e in comm)))
     return rows
 
 

@@ -87,7 +87,8 @@ def chrome_events(events: list[Event], rows: list[StepOverlap], rank: int, t0: f
             tid = base + lane
             names[tid] = _track_name(kind, lane)
             complete(f"{kind} {ev.unit or '(root)'}", "comm", tid, ev.start, ev.end,
-                     {"unit": ev.unit, "collective": kind, "bytes": ev.bytes,
+                     {"unit": ev.unit, "collective": kind, "bytes": ev.wire_bytes,
+                      "buffer_bytes": ev.bytes, "group": ev.group,
                       "step": ev.step, "wait_ms": round(ev.wait * 1e3, 6)})
     for row in rows:
         if windows and row.step in windows:

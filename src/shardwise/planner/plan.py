@@ -24,6 +24,7 @@ from ..engine.policies import (
     WrapPolicyLike,
 )
 from . import timing as T
+from .estimate import TimeEstimate, link_profiles, step_time
 from .memory import model_states, parse_optimizer, unit_cost
 from .profiles import (
     DeviceProfile,
@@ -33,7 +34,7 @@ from .profiles import (
 )
 from .shape import TransformerShape, coerce_shape, shape_of_model
 from .simulate import PhasePeaks, StepActivations, simulate
-from .units import ModelUnits, units_of_count, units_of_model
+from .units import units_of_count, units_of_model
 
 
 @dataclass(frozen=True)
@@ -59,23 +60,12 @@ class PerRank:
 
 
 @dataclass(frozen=True)
-class TimeEstimate:
-    """One step on one rank."""
+class Alternative:
+    """One change that makes a plan that does not fit smaller, and its result."""
 
-    tokens_per_rank: int
-    model_flops: float  # 6 x params x tokens + attention (per rank)
-    hardware_flops: float  # plus activation recomputation
-    compute_s: float  # matmuls at the device's achievable rate + elementwise traffic
-    comm_s: float  # every collective back to back
-    optimizer_s: float
-    offload_s: float  # CPU offload: PCIe copies of shards and gradients (optimizer: host)
-    step_s_overlap: float  # communication on its own stream, engine order
-    step_s_serial: float  # nothing overlaps
-    step_s: float  # the prediction: overlap where the device overlaps
-    mfu: float  # model FLOPs / (step_s x peak FLOP/s)
-    tokens_per_s: float  # the whole job
-    bound: str  # "compute" | "interconnect"
-    verdict: str
+    change: str  # e.g. "activation checkpointing", "world_size=16", "CPU offload"
+    total_bytes: int
+    fits: bool | None
 
 
 @dataclass(frozen=True)
@@ -103,12 +93,23 @@ class Plan:
     fits: bool | None
     max_batch_size: int | None
     notes: tuple[str, ...]
+    # "fits", "does not fit", "model states fit; activations unknown", "does not fit, even
+    # without activations", or None without a device to fit on. Never a bare "fits" with
+    # activations left out.
+    verdict: str | None = None
+    alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what would
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain ints, floats, strings, lists and dicts."""
         d = dataclasses.asdict(self)
         d["notes"] = list(self.notes)
+        d["alternatives"] = [dataclasses.asdict(a) for a in self.alternatives]
         return d
+
+    def __str__(self) -> str:
+        from .report import describe
+
+        return describe(self)
 
 
 def _mp_name(mp: MixedPrecisionPolicy | None) -> str:
@@ -174,7 +175,79 @@ def plan(
     shape: the transformer's dimensions when the model does not carry them.
     ranks_per_node: defaults to the device's (8) or, without a device, the whole world.
     rank: the rank to plan (0 holds the most).
+
+    A model with a context length (a GPT preset, a Hugging Face config) is planned for
+    batch 1 at that length unless told otherwise (a note says so); without a sequence
+    length the verdict is "model states fit; activations unknown", never a bare "fits".
+    A plan that does not fit lists `alternatives`, each with its resulting total.
     """
+    args = dict(world_size=world_size, sharding_strategy=sharding_strategy,
+                auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+                optimizer=optimizer, cpu_offload=cpu_offload, batch_size=batch_size,
+                seq_len=seq_len, activation_checkpointing=activation_checkpointing,
+                device=device, interconnect=interconnect, shape=shape,
+                ranks_per_node=ranks_per_node, rank=rank)
+    p = _plan_one(model_or_param_count, **args)
+    if p.fits is False:
+        p = dataclasses.replace(p, alternatives=_alternatives(model_or_param_count, args, p))
+    return p
+
+
+def _alternatives(what: Any, args: dict[str, Any], p: Plan) -> tuple[Alternative, ...]:
+    """Each change alone: checkpointing, more ranks, another strategy, offload, a smaller
+    batch (those that apply and lower the total), with the total each gives."""
+    out: list[Alternative] = []
+
+    def attempt(change: str, **kw: Any) -> Plan | None:
+        try:
+            q = _plan_one(what, **{**args, **kw})
+        except ValueError:  # e.g. HYBRID_SHARD where the node size does not divide
+            return None
+        out.append(Alternative(change, q.per_rank.total_bytes, q.fits))
+        return q
+
+    if not args["activation_checkpointing"] and p.per_rank.activations_bytes:
+        attempt("activation checkpointing", activation_checkpointing=True)
+    if p.shard_size > 1 or p.sharding_strategy == "FULL_SHARD":
+        for k in (2, 4, 8, 16, 32, 64):  # the fewest ranks that fit (doubling)
+            try:
+                q = _plan_one(what, **{**args, "world_size": args["world_size"] * k})
+            except ValueError:
+                break
+            if q.fits or k == 64:
+                out.append(Alternative(f"world_size={q.world_size}", q.per_rank.total_bytes,
+                                       q.fits))
+                break
+    for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
+        if strategy != p.sharding_strategy:
+            attempt(strategy, sharding_strategy=strategy)
+    if not p.cpu_offload and p.device is not None and args["device"] != "cpu":
+        attempt("CPU offload", cpu_offload=True)
+    if p.batch_size and p.batch_size > 1:
+        b = max(p.max_batch_size or 1, 1)
+        attempt(f"batch_size={b}", batch_size=b)
+    # Only what helps (HYBRID_SHARD holds more than FULL_SHARD, for one).
+    return tuple(a for a in out if a.total_bytes < p.per_rank.total_bytes)
+
+
+def _plan_one(
+    model_or_param_count: nn.Module | int | float,
+    *,
+    world_size: int,
+    sharding_strategy: str | ShardingStrategy,
+    auto_wrap_policy: WrapPolicyLike,
+    mixed_precision: str | MixedPrecisionPolicy | None,
+    optimizer: str,
+    cpu_offload: bool | CPUOffloadPolicy,
+    batch_size: int | None,
+    seq_len: int | None,
+    activation_checkpointing: bool,
+    device: str | DeviceProfile | None,
+    interconnect: str | InterconnectProfile | None,
+    shape: TransformerShape | dict | None,
+    ranks_per_node: int | None,
+    rank: int,
+) -> Plan:
     check_int("world_size", world_size, minimum=1)
     check_bool("activation_checkpointing", activation_checkpointing)
     if ranks_per_node is not None:
@@ -218,6 +291,15 @@ def plan(
     act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32
     act_bytes = torch.empty((), dtype=act_dtype, device="meta").element_size()
     notes = list(mu.notes)
+    context = mu.shape.max_seq_len if mu.shape is not None else 0
+    if seq_len is None and context:
+        seq_len = context
+        if batch_size is None:
+            batch_size = 1
+            notes.append(f"activations and time for batch 1 x {context} tokens per rank, the "
+                         "model's context length (pass batch_size and seq_len for another)")
+        else:
+            notes.append(f"seq_len: the model's context length, {context}")
     if host_offload:
         notes.append("CPU offload: parameters, gradients and optimizer state live in host "
                      "memory (host_bytes); the device holds gathered units and activations")
@@ -238,8 +320,18 @@ def plan(
     peaks, acts = peaks_for(batch_size)
     if acts is None and batch_size and seq_len:
         notes.append("activations unknown: the model carries no transformer shape; pass shape=")
+    elif acts is None and batch_size:
+        notes.append(f"batch_size={batch_size} without seq_len (the model has no context "
+                     "length): activations and time unknown; pass seq_len")
+    elif acts is None and seq_len:
+        notes.append(f"seq_len={seq_len} without batch_size: activations and time unknown; "
+                     "pass batch_size")
     elif acts is None:
-        notes.append("no batch_size and seq_len: activations (and time) are left out")
+        notes.append("no batch_size and seq_len, and no context length to assume: "
+                     "activations and time unknown")
+    else:
+        notes.append("activations assume fused attention (scaled_dot_product_attention): no "
+                     "seq_len x seq_len score matrix is kept")
     total = max(peaks.forward, peaks.backward, peaks.step)
     per_rank = PerRank(
         params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
@@ -252,11 +344,17 @@ def plan(
         host_bytes=states.model_states_bytes if host_offload else 0,
     )
 
-    usable = fits = max_batch = None
+    usable = fits = max_batch = verdict = None
     if dev is not None:
         # The ranks of a CPU "device" share the host's memory.
         usable = dev.usable_bytes // (per_node if dev.is_cpu else 1)
-        fits = total <= usable
+        if acts is not None:
+            fits = total <= usable
+            verdict = "fits" if fits else "does not fit"
+        elif total <= usable:  # unknown: activations could still break it
+            verdict = "model states fit; activations unknown"
+        else:
+            fits, verdict = False, "does not fit, even without activations"
         if seq_len and mu.shape is not None:
             max_batch = _largest_batch(lambda b: max(_p(peaks_for(b)[0])) <= usable)
 
@@ -264,11 +362,12 @@ def plan(
                           ranks_per_node=per_node)
     link_names = None
     time = None
-    links = _links(dev, interconnect, world_size, per_node, notes) if dev is not None else None
+    links = (link_profiles(dev, interconnect, world_size, per_node, notes)
+             if dev is not None else None)
     if links is not None and batch_size and seq_len:
         link_names = f"{links.intra.name}" + (
             f" + {links.inter.name}" if world_size > per_node else "")
-        time = _time(costs, colls, links, dev, mu, acts, act_dtype, opt, batch_size,
+        time = step_time(costs, colls, links, dev, mu, acts, act_dtype, opt, batch_size,
                      seq_len, activation_checkpointing, S, R, world_size,
                      host_offload, reshard)
     elif interconnect is not None:
@@ -282,7 +381,7 @@ def plan(
         device=dev.name if dev else None, interconnect=link_names, units=len(mu.units),
         shape=mu.shape.to_dict() if mu.shape else None, per_rank=per_rank,
         comm=T.comm_volume(colls), time=time, usable_bytes=usable, fits=fits,
-        max_batch_size=max_batch, notes=tuple(notes),
+        max_batch_size=max_batch, notes=tuple(notes), verdict=verdict,
     )
 
 
@@ -301,73 +400,3 @@ def _largest_batch(fits: Any, limit: int = 1 << 20) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def _links(dev: DeviceProfile, interconnect: str | InterconnectProfile | None, world: int,
-           per_node: int, notes: list[str]) -> T.Links | None:
-    try:
-        intra = interconnect_profile(dev.intra_node, dev)
-    except ValueError:
-        if interconnect is None:  # a CPU: its gloo bandwidth must be measured
-            notes.append(f"no time estimate: {dev.name!r} needs a measured interconnect "
-                         "(planner.calibrate, `shardwise plan --calibrate`)")
-            return None
-        intra = interconnect_profile(interconnect, dev)
-    if interconnect is None:
-        inter = interconnect_profile("ib-400g")
-        if world > per_node:
-            notes.append("no interconnect given: nodes assumed linked by ib-400g")
-    else:
-        inter = interconnect_profile(interconnect, dev)
-    return T.Links(intra, inter, per_node)
-
-
-def _time(costs: list, colls: list[T.Collective], links: T.Links, dev: DeviceProfile,
-          mu: ModelUnits, acts: StepActivations | None, act_dtype: torch.dtype, opt: str,
-          batch: int, seq_len: int, checkpointing: bool, S: int, R: int, world: int,
-          host_offload: bool, reshard: bool) -> TimeEstimate:
-    tokens = batch * seq_len
-    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(act_dtype, "fp32")
-    if dname not in dev.peak_flops:
-        raise ValueError(f"device {dev.name!r} has no {dname} FLOP/s figure "
-                         f"(it has {sorted(dev.peak_flops)})")
-    a = acts or StepActivations()
-    act_per_unit = [a.layer * c.layers + (a.head if c.head else 0) for c in costs]
-    work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, dev, dname,
-                                              act_per_unit, checkpointing)
-    state_bytes = sum(c.state_bytes for c in costs)
-    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev, on_host=host_offload)
-    offload_s = T.offload_seconds(costs, gathers=2 if reshard else 1) if host_offload else 0.0
-    compute_s = sum(work.forward_s) + sum(work.backward_s)
-    comm_s = sum(links.seconds(c) for c in colls)
-    fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
-    overlap = T.overlapped_step(work, colls, links, fixed, sync_all_reduce=S > 1 and R > 1)
-    serial = T.serial_step(work, colls, links, fixed)
-    step = overlap if dev.overlap else serial
-    mfu = model_flops / (step * dev.peak_flops[dname])
-    exposed = step - compute_s - fixed
-    slow = links.inter if any(c.inter_node for c in colls) else links.intra
-    # The interconnect bounds the step when it would set the pace even with perfect overlap,
-    # or when a fifth of the step is spent waiting on it.
-    bound = "interconnect" if (comm_s >= compute_s or exposed > 0.2 * step) else "compute"
-    if bound == "interconnect":
-        need = sum(c.sent_bytes for c in colls) / compute_s / 1e9
-        verdict = (f"interconnect-bound: {slow.name} moves {_gb(colls)} GB per rank "
-                   f"per step in {comm_s:.3g} s while compute takes {compute_s:.3g} s; "
-                   f"{exposed:.3g} s of each {step:.3g} s step ({100 * exposed / step:.0f}%) "
-                   f"waits on the network. Hiding it needs about {need:.3g} GB/s per rank, "
-                   "or more tokens per step.")
-    else:
-        verdict = (f"compute-bound: communication ({comm_s:.3g} s per step) "
-                   + ("hides under" if dev.overlap else "adds to")
-                   + f" compute ({compute_s:.3g} s).")
-    return TimeEstimate(
-        tokens_per_rank=tokens, model_flops=model_flops, hardware_flops=hw_flops,
-        compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, offload_s=offload_s,
-        step_s_overlap=overlap,
-        step_s_serial=serial, step_s=step, mfu=mfu, tokens_per_s=tokens * world / step,
-        bound=bound, verdict=verdict)
-
-
-def _gb(colls: list[T.Collective]) -> str:
-    return f"{sum(c.sent_bytes for c in colls) / 1e9:.3g}"

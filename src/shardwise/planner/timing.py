@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..observe.events import wire_bytes
 from .memory import UnitCost, _size
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import TransformerShape
@@ -40,9 +41,9 @@ class Collective:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes this rank sends (and receives) in a ring."""
-        factor = 2 if self.kind == "all_reduce" else 1
-        return factor * (self.group - 1) * self.buffer_bytes // self.group
+        """Bytes this rank sends (and receives) in a ring: the one definition the engine's
+        events use too ([Note: communication bytes] in observe/events.py)."""
+        return wire_bytes(self.kind, self.buffer_bytes, self.group)
 
     @property
     def steps(self) -> int:

@@ -122,7 +122,8 @@ class TrainSection:
     grad_accum: micro-batches per optimizer step (gradients accumulate locally,
         without communication).
     lr: peak learning rate (AdamW).
-    min_lr: learning rate at the end of the schedule.
+    min_lr_ratio: learning rate at the end of the schedule, as a fraction of lr (0.1: decay
+        to lr / 10; 0: to zero), so that it follows any --train.lr.
     warmup_steps: steps of linear warm-up from 0 to lr.
     schedule: decay after warm-up: cosine, linear or constant.
     weight_decay: AdamW decoupled weight decay on matrices (not on norms).
@@ -142,7 +143,7 @@ class TrainSection:
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     schedule: str = "cosine"
     weight_decay: float = 0.1
@@ -158,11 +159,12 @@ class TrainSection:
     def __post_init__(self) -> None:
         _typed("train", self)
         _positive("train", self, "steps", "batch_size", "grad_accum", "lr", "eval_batches")
-        _positive("train", self, "min_lr", "warmup_steps", "weight_decay", "grad_clip",
+        _positive("train", self, "warmup_steps", "weight_decay", "grad_clip",
                   "eval_interval", "max_skipped_steps", zero_ok=True)
         _choice("train", "schedule", self.schedule, SCHEDULES)
         _choice("train", "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
-        _check(self.min_lr <= self.lr, f"train.min_lr={self.min_lr} must be <= train.lr={self.lr}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0,
+               f"train.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1] (a fraction of lr)")
         for b in ("beta1", "beta2"):
             v = getattr(self, b)
             _check(0.0 <= v < 1.0, f"train.{b}={v!r} must be in [0, 1)")
@@ -170,7 +172,7 @@ class TrainSection:
 
 @dataclass
 class ShardSection:
-    """The four FSDP knobs (see DESIGN.md).
+    """The four FSDP knobs (see docs/design.md).
 
     sharding_strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP) or
         HYBRID_SHARD (shard within a node, replicate across nodes).

@@ -51,17 +51,35 @@ def user_files(path: str | Path) -> list[Path]:
     raise ValueError(f"data.path={str(path)!r} does not exist")
 
 
+def _shuffled(files: list[Path], seed: int) -> list[Path]:
+    order = list(files)
+    if len(order) > 1:
+        random.Random(seed).shuffle(order)
+    return order
+
+
+def _take(sizes: list[int], max_bytes: int) -> list[int]:
+    """How many bytes of each file (in order) the corpus takes: files joined by SEPARATOR
+    until max_bytes."""
+    taken, total = [], 0
+    for size in sizes:
+        if total >= max_bytes:
+            break
+        n = min(size, max_bytes - total)
+        if n:
+            taken.append(n)
+            total += n + len(SEPARATOR)
+    return taken
+
+
 def read_corpus(path: str | Path | None, max_bytes: int, seed: int) -> bytes:
     """Concatenated bytes of a deterministic subset of the files (shuffled with `seed`)."""
     files = user_files(path) if path else stdlib_files()
     if not files:
         raise ValueError("no standard-library .py files found via sysconfig; use --data.path")
-    order = list(files)
-    if len(order) > 1:
-        random.Random(seed).shuffle(order)
     parts: list[bytes] = []
     total = 0
-    for f in order:
+    for f in _shuffled(files, seed):
         if total >= max_bytes:
             break
         b = f.read_bytes()[: max_bytes - total]
@@ -77,16 +95,43 @@ class Split:
     val: torch.Tensor  # (N_val,) uint8
 
 
+def _val_bytes(n: int, val_fraction: float, seq_len: int) -> int:
+    """Bytes of a corpus of `n` held out for validation; each part holds >= 2 windows."""
+    n_val = int(n * val_fraction)
+    need = 2 * (seq_len + 1)
+    if n_val < need or n - n_val < need:
+        raise ValueError(
+            f"the corpus has {n} bytes: too little for a {val_fraction} validation split "
+            f"with sequences of {seq_len} (each part needs >= {need} bytes); give more text "
+            "(data.path, data.max_bytes) or a smaller model.block_size")
+    return n_val
+
+
+def _check_windows(n_windows: int, seq_len: int, batch_size: int, world: int) -> None:
+    if n_windows < batch_size * world:
+        raise ValueError(
+            f"the training split has {n_windows} sequences of {seq_len}, fewer than "
+            f"one global batch ({batch_size} x {world} ranks); give more text")
+
+
+def check_size(path: str | Path | None, max_bytes: int, seed: int, val_fraction: float,
+               seq_len: int, batch_size: int, world: int) -> None:
+    """The errors `split` and `BatchStream` would raise, from file sizes alone: run before
+    any worker starts. The standard library is taken to hold at least max_bytes (it holds
+    tens of MB; listing it costs a second)."""
+    if path:
+        taken = _take([f.stat().st_size for f in _shuffled(user_files(path), seed)], max_bytes)
+        n = min(sum(taken) + len(SEPARATOR) * max(len(taken) - 1, 0), max_bytes)
+    else:
+        n = max_bytes
+    n_train = n - _val_bytes(n, val_fraction, seq_len)
+    _check_windows(max((n_train - 1) // seq_len, 0), seq_len, batch_size, world)
+
+
 def split(text: bytes, val_fraction: float, seq_len: int) -> Split:
     """The last `val_fraction` of the bytes is validation; each part holds >= 2 windows."""
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    n_val = int(len(data) * val_fraction)
-    need = 2 * (seq_len + 1)
-    if n_val < need or len(data) - n_val < need:
-        raise ValueError(
-            f"the corpus has {len(data)} bytes: too little for a {val_fraction} validation split "
-            f"with sequences of {seq_len} (each part needs >= {need} bytes); give more text "
-            "(data.path, data.max_bytes) or a smaller model.block_size")
+    n_val = _val_bytes(len(data), val_fraction, seq_len)
     return Split(train=data[: len(data) - n_val], val=data[len(data) - n_val :])
 
 
@@ -112,10 +157,7 @@ class BatchStream:
         self.rank, self.world = rank, world
         self.seed = seed
         self.device = torch.device(device)
-        if len(self.windows) < self.global_batch:
-            raise ValueError(
-                f"the training split has {len(self.windows)} sequences of {seq_len}, fewer than "
-                f"one global batch ({batch_size} x {world} ranks); give more text")
+        _check_windows(len(self.windows), seq_len, batch_size, world)
         self.epoch = 0
         self.index = 0  # next window of this epoch's order
         self._order = self._epoch_order(0)

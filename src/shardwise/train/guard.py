@@ -76,6 +76,7 @@ class NonFiniteGuard:
 
 KILL_AT_STEP = "SHARDWISE_TEST_KILL_AT_STEP"
 NAN_AT_STEPS = "SHARDWISE_TEST_NAN_AT_STEPS"
+CRASH_AT_STEP = "SHARDWISE_TEST_CRASH_AT_STEP"
 _HOOK_RANK = 1  # the rank the hooks act on: a fault on one rank only tests agreement
 
 
@@ -86,10 +87,13 @@ def _steps(var: str) -> set[int]:
 
 def kill_hook_for_tests(step: int, rank: int) -> None:
     """SIGKILL this process at step SHARDWISE_TEST_KILL_AT_STEP on rank 1, in the first
-    attempt of a torchelastic job only (so the restarted job runs to the end)."""
+    attempt of a torchelastic job only (so the restarted job runs to the end); raise a
+    RuntimeError (a crash, not a mistake) at step SHARDWISE_TEST_CRASH_AT_STEP on rank 1."""
     if (KILL_AT_STEP in os.environ and rank == _HOOK_RANK and step in _steps(KILL_AT_STEP)
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if CRASH_AT_STEP in os.environ and rank == _HOOK_RANK and step in _steps(CRASH_AT_STEP):
+        raise RuntimeError(f"test crash at step {step}")
 
 
 def nan_hook_for_tests(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:

@@ -39,7 +39,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class ByteCounter:
-    """An event sink summing the bytes this rank moved through collectives, per step."""
+    """An event sink summing, per step, the bytes this rank sent (and received alike)
+    through collectives: [Note: communication bytes] in observe/events.py."""
 
     def __init__(self) -> None:
         self.by_step: dict[int, dict[str, int]] = {}
@@ -49,7 +50,7 @@ class ByteCounter:
     def __call__(self, ev: Event) -> None:
         if ev.collective and not self.paused:
             step = self.by_step.setdefault(ev.step, {})
-            step[ev.collective] = step.get(ev.collective, 0) + ev.bytes
+            step[ev.collective] = step.get(ev.collective, 0) + ev.wire_bytes
 
     def last_step(self) -> dict[str, int]:
         """Bytes by collective in the last step seen (later steps repeat it exactly)."""

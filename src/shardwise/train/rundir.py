@@ -10,6 +10,7 @@ Layout:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -162,6 +163,10 @@ def prepare(cfg: Config) -> Config:
     if cfg.resume:
         step = checkpoints(run)[-1][0]
         truncate_metrics(run / "metrics.jsonl", step)
+        # Events too: a step run again (perhaps at another world size) must not show up
+        # twice, nor with ranks it no longer has, in a replay.
+        for events in run.glob("events-rank*.jsonl"):
+            truncate_metrics(events, step)
     # The saved config describes the run, not this invocation's actions.
     saved = dataclasses.replace(cfg, resume=False, overwrite=False)
     job = job_id()
@@ -170,8 +175,51 @@ def prepare(cfg: Config) -> Config:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop the JSON lines of `path` (metrics or events) after step `last_step`, and any
+    line a killed run left half-written."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line).get("step", 0) <= last_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            pass
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def last_step(run: Path) -> int:
+    """The last step metrics.jsonl records (0: none)."""
+    steps = [0]
+    with contextlib.suppress(OSError):
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                steps.append(int(json.loads(line).get("step", 0)))
+    return max(steps)
+
+
+def check_resume(cfg: Config) -> None:
+    """On --resume: refuse before anything starts when no step is left to train."""
+    run = Path(cfg.out_dir).expanduser() / cfg.name
+    found = checkpoints(run)
+    if cfg.resume and found and found[-1][0] >= cfg.train.steps:
+        raise ValueError(f"the checkpoint is at step {found[-1][0]}; train.steps="
+                         f"{cfg.train.steps} leaves nothing to do (raise --train.steps to "
+                         "train further)")
+
+
+def discard_unstarted(run: Path) -> bool:
+    """Remove a run folder that a failed or interrupted start left before its first step
+    (no checkpoint, no metrics), so the same --name can be run again; True if removed.
+
+    Only for a folder this invocation created (the caller knows): a folder holding anything
+    else than what a start writes is kept.
+    """
+    if not run.is_dir() or checkpoints(run) or last_step(run):
+        return False
+    start_files = re.compile(r"^(config\.toml|metrics\.jsonl|events-rank\d+\.jsonl|checkpoints)$")
+    if any(not start_files.match(p.name) for p in run.iterdir()):
+        return False
+    shutil.rmtree(run, ignore_errors=True)
+    return True

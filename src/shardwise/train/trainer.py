@@ -62,15 +62,17 @@ class NullReporter:
 
 
 def lr_at(step: int, t: TrainSection) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warm-up, then decay to min_lr."""
+    """Learning rate of optimizer step `step` (1-based): linear warm-up, then decay to
+    lr * min_lr_ratio at `t.steps`."""
+    min_lr = t.lr * t.min_lr_ratio
     if t.warmup_steps and step <= t.warmup_steps:
         return t.lr * step / t.warmup_steps
     if t.schedule == "constant" or t.steps <= t.warmup_steps:
         return t.lr
     frac = (step - t.warmup_steps) / (t.steps - t.warmup_steps)  # 0 -> 1 over the decay
     if t.schedule == "linear":
-        return t.lr + (t.min_lr - t.lr) * frac
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * frac))
+        return t.lr + (min_lr - t.lr) * frac
+    return min_lr + 0.5 * (t.lr - min_lr) * (1.0 + math.cos(math.pi * frac))
 
 
 def threads_per_rank(cfg: Config) -> int:
@@ -248,16 +250,18 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train on every rank of the current process group (or torchrun's); return the summary."""
     rank, world, device = sw.init_distributed()
     torch.set_num_threads(threads_per_rank(cfg))
-    run_dir, resuming = _shared_run_dir(cfg, rank, device)
-    cfg = dataclasses.replace(cfg, name=run_dir.name, resume=resuming)
-    rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
     t = cfg.train
     gcfg = cfg.model.gpt()
     seq = gcfg.block_size
-
+    # The data first: text that is too short fails alike on every rank, before a run folder
+    # exists that would block running the same --name again.
     text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
     parts = D.split(text, cfg.data.val_fraction, seq)
     stream = D.BatchStream(parts.train, seq, t.batch_size, rank, world, cfg.data.seed, device)
+
+    run_dir, resuming = _shared_run_dir(cfg, rank, device)
+    cfg = dataclasses.replace(cfg, name=run_dir.name, resume=resuming)
+    rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
 
     model = build_model(cfg)
     opt = _optimizer(model, t)
@@ -279,6 +283,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                "steps": t.steps, "tokens_per_step": tokens_per_step, "config": cfg,
                "train_bytes": len(parts.train), "val_bytes": len(parts.val),
                "threads": torch.get_num_threads(),
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
                "precision_plan": sw.precision_plan(model)})
 
     # Count bytes over a few steps even when no event file is written, then stop paying.
@@ -330,6 +335,9 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                   "tokens_per_s": tokens_per_step / dt,
                   "memory_mb": [round(r[1], 1) for r in per_rank],
                   "time_s": round(time.perf_counter() - t_begin, 3)}
+        if step <= count_until and step in events.counter.by_step:
+            # This rank's bytes sent (and received alike): [Note: communication bytes].
+            record["comm_bytes"] = sum(events.counter.by_step[step].values())
         if scaler.enabled:
             record.update(loss_scale=scaler.get_scale(), skipped=not stepped)
         if not applied:
@@ -388,4 +396,5 @@ def _sample(model: GPT, cfg: Config, device: torch.device) -> str:
     prompt = torch.tensor([list(cfg.log.sample_prompt.encode())], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
     out = model.generate(prompt, cfg.log.sample_tokens, generator=gen)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    # Escaped, not U+FFFD: a byte-level model can emit bytes that are not UTF-8.
+    return bytes(out[0].tolist()).decode("utf-8", errors="backslashreplace")

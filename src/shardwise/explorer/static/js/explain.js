@@ -109,7 +109,8 @@ function caution(state) {
       "parameters (gathers) and gradients (reduce-scatters) between ranks. On slow links the " +
       "step waits for the network, which is why FSDP at scale needs fast interconnects " +
       "(NVLink inside a node, InfiniBand between nodes)." }),
-    el("p", {}, "This toy run, last step, bytes each rank's collectives moved: ",
+    el("p", {}, "This toy run, last step, bytes each rank sent through its collectives (and " +
+      "received alike): ",
       el("b", { "data-testid": "measured-bytes",
         text: state.step ? measured.map(fmtBytes).join(" / ") : "–" }), "."),
     el("p", { text: `The same configuration (${cfg.strategy}, ${cfg.world_size} rank(s), ` +

@@ -58,7 +58,7 @@ async function showWindow(summary) {
     const row = el("div", { class: "replay-rank", "data-testid": "replay-rank",
       "data-rank": r.rank, style: { borderLeftColor: RANK_COLOURS[r.rank % 4] } },
     el("div", { class: "muted", text: `rank ${r.rank}: ${r.events.length} events, ` +
-      `${fmtBytes(bytes)} through collectives, ${span.toFixed(1)} ms shown` }), canvas);
+      `${fmtBytes(bytes)} sent through collectives, ${span.toFixed(1)} ms shown` }), canvas);
     drawTimeline(canvas, r, span);
     canvas.title = r.events.slice(0, 40).map((e) => `${PHASE_NAMES[e.phase] || e.phase} ` +
       `${unitLabel(e.unit)} ${e.bytes ? fmtBytes(e.bytes) : ""}`).join("\n");
@@ -86,8 +86,9 @@ function memoryChart(summary) {
   }
   if (!series.length) {
     // No metrics: the reconstructed peak working set per recorded step instead.
-    summary.ranks.forEach((r, i) => series.push({
-      points: summary.per_step.map((s) => [s.step, s.ranks[i].working_peak / 1e6]),
+    summary.ranks.forEach((r) => series.push({
+      points: summary.per_step.filter((s) => s.ranks.some((x) => x.rank === r))
+        .map((s) => [s.step, s.ranks.find((x) => x.rank === r).working_peak / 1e6]),
       colour: RANK_COLOURS[r % 4], label: `rank ${r} peak working set (MB)` }));
   }
   const xs = series.flatMap((s) => s.points.map((p) => p[0]));
@@ -102,13 +103,19 @@ function table(summary) {
   const head = el("tr", {}, el("th", { text: "step" }),
     summary.ranks.map((r) => el("th", {
       text: `rank ${r}: span / collectives / bytes / working set`,
-      title: "span: first to last event; collectives: their intervals summed (they overlap " +
-        "compute and each other); bytes: through collectives; working set: peak of " +
-        "gathered units, from all-gather and reshard events" })));
+      title: "span: first to last event; collectives: time with a collective in flight " +
+        "(overlapping ones once; they also overlap compute); bytes: sent by the rank " +
+        "(received alike); working set: peak of gathered units, from all-gather and " +
+        "reshard events; –: the rank did not exist in that step (a resume at another " +
+        "world size)" })));
+  const cell = (s, rank) => {
+    const r = s.ranks.find((x) => x.rank === rank);
+    return el("td", { class: "num", "data-rank": rank, text: r ? `${r.span_ms.toFixed(1)} ms / ` +
+      `${r.comm_ms.toFixed(1)} ms / ${fmtBytes(r.bytes)} / ${fmtBytes(r.working_peak)}` : "–" });
+  };
   const rows = summary.per_step.slice(0, 200).map((s) => el("tr", {},
     el("td", { class: "num", text: s.step }),
-    s.ranks.map((r) => el("td", { class: "num", text: `${r.span_ms.toFixed(1)} ms / ` +
-      `${r.comm_ms.toFixed(1)} ms / ${fmtBytes(r.bytes)} / ${fmtBytes(r.working_peak)}` }))));
+    summary.ranks.map((rank) => cell(s, rank))));
   $("replay-table").replaceChildren(el("table", { class: "grid-table" }, head, rows));
 }
 

@@ -1,0 +1,148 @@
+"""The console of `shardwise train` (rank 0 only): a header, progress, validation lines and
+the end summary. Library code hands it records (train/trainer.py's `Reporter`); only this
+file prints them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any
+
+from tqdm import tqdm
+
+from ..train import config as C
+
+MiB = 2**20
+
+
+def _mem(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" if v >= 100 else f"{v:.1f}" for v in values) + " MiB"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _clock(s: float) -> str:
+    s = max(0, int(round(s)))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class ConsoleReporter:
+    """Rank 0's console: a header, a tqdm bar, validation lines and the end summary."""
+
+    def __init__(self) -> None:
+        # tqdm's default lock is a multiprocessing semaphore: a worker stopped by SIGTERM
+        # never frees it and the resource tracker warns about a leak. One process, one
+        # thread writing: a thread lock is enough.
+        tqdm.set_lock(threading.RLock())
+        self.bar: tqdm | None = None
+        self.tok_s = math.nan
+        self.start_step = 0
+        self.steps = 0
+        # Not a terminal (a log file, CI): plain lines, about 20 per run, instead of a bar
+        # whose carriage returns would pile up in the file.
+        self.plain_every = 0
+
+    def start(self, info: dict[str, Any]) -> None:
+        cfg: C.Config = info["config"]
+        g = cfg.model.gpt()
+        s = cfg.shard
+        print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M params, "
+              f"{g.n_layer} layers, d={g.d_model}, context {g.block_size}) on {info['world']} "
+              f"ranks ({info['device']}, {info['threads']} threads/rank)")
+        print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
+              f", cpu_offload={s.cpu_offload}; each rank holds {info['local_params']:,} of "
+              f"{info['params']:,} parameters")
+        if "precision_plan" in info:
+            print(f"  {info['precision_plan']}")
+        data = cfg.data.path or "the Python standard library's .py sources"
+        print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
+              f"{info['tokens_per_step']:,} tokens per step")
+        if info["start_step"]:
+            print(f"  resumed at step {info['start_step']}")
+        if info.get("restart"):
+            print(f"  restart {info['restart']} of the workers (after a failure), from the "
+                  "latest checkpoint")
+        print(f"  run folder: {info['run_dir']}")
+        self.start_step, self.steps = info["start_step"], info["steps"]
+        if sys.stdout.isatty():
+            self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
+                            dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+        else:
+            self.plain_every = max(1, (info["steps"] - info["start_step"]) // 20)
+
+    def step(self, record: dict[str, Any]) -> None:
+        # A smoothed rate: single steps on a shared CPU are noisy.
+        r = record["tokens_per_s"]
+        self.tok_s = r if math.isnan(self.tok_s) else 0.8 * self.tok_s + 0.2 * r
+        line = (f"loss {record['loss']:.3f} | lr {record['lr']:.2e} | gnorm "
+                f"{record['grad_norm']:.3g} | {self.tok_s:,.0f} tok/s | "
+                f"mem {_mem(record['memory_mb'])}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(line, refresh=False)  # the bar shows elapsed and ETA
+            self.bar.update(1)
+        elif record["step"] % self.plain_every == 0 or record["step"] == self.steps:
+            done = record["step"] - self.start_step
+            elapsed = record.get("time_s", 0.0)
+            eta = elapsed / done * (self.steps - record["step"]) if done else 0.0
+            print(f"step {record['step']:>5}/{self.steps} | {line} | {_clock(elapsed)} "
+                  f"elapsed, ETA {_clock(eta)}", flush=True)
+        if record.get("nonfinite"):
+            tqdm.write(f"step {record['step']:>5}: non-finite loss or grad norm; step skipped "
+                       f"({record['nonfinite_skipped']} so far)", file=sys.stdout)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        pass  # the summary names the folder; one line per checkpoint would crowd the bar
+
+    def end(self, s: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        unsharded = [p - st + s["unsharded_state_mb"]
+                     for p, st in zip(s["peak_memory_mb"], s["state_mb"])]
+        print(f"\ndone: step {s['steps']} ({s['steps'] - s['start_step']} steps in "
+              f"{s['wall_s']:.0f} s on {s['world']} ranks)")
+        print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
+              f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
+        if math.isnan(s["tokens_per_s"]):
+            print("  throughput       not measured: the first step of a run pays for "
+                  "initialization and is not timed (run 2 or more steps)")
+        else:
+            print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
+        kind = "GPU allocated" if s["device"] == "cuda" else "RSS"
+        print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}); "
+              f"unsharded about {_mem(unsharded)}")
+        print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
+              f"unsharded {s['unsharded_state_mb']:.1f} MiB")
+        parts = ", ".join(f"{k.replace('_', '-')} {_bytes(v)}"
+                          for k, v in sorted(s["bytes_per_step_rank0"].items()))
+        print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
+              f"sent per step per rank, received alike (rank 0: {parts or 'none'}; from the "
+              "engine's events, ring collectives)")
+        print(f"  run folder       {s['run_dir']}")
+        if s.get("nonfinite_skipped"):
+            print(f"  skipped steps    {s['nonfinite_skipped']} (non-finite loss or grad norm)")
+        if s.get("trace"):
+            _print_trace(s["trace"])
+        if s["sample"]:
+            print("\nsample:\n" + s["sample"].rstrip() + "\n")
+
+
+def _print_trace(tr: dict[str, Any]) -> None:
+    from ..observe.overlap import OverlapReport
+
+    report = OverlapReport.from_dict(tr["report"])
+    print("\noverlap (mean over ranks; exposed = time blocked waiting for communication):")
+    print("  " + report.table().replace("\n", "\n  "))
+    print(f"  trace: {tr['merged']} (open in https://ui.perfetto.dev); per rank and "
+          f"overlap.json in {tr['dir']}")

@@ -1,0 +1,103 @@
+"""How long one step takes, from the planner's units, collectives and profiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import timing as T
+from .profiles import DeviceProfile, InterconnectProfile, interconnect_profile
+from .simulate import StepActivations
+from .units import ModelUnits
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """One step on one rank."""
+
+    tokens_per_rank: int
+    model_flops: float  # 6 x params x tokens + attention (per rank)
+    hardware_flops: float  # plus activation recomputation
+    compute_s: float  # matmuls at the device's achievable rate + elementwise traffic
+    comm_s: float  # every collective back to back
+    optimizer_s: float
+    offload_s: float  # CPU offload: PCIe copies of shards and gradients (optimizer: host)
+    step_s_overlap: float  # communication on its own stream, engine order
+    step_s_serial: float  # nothing overlaps
+    step_s: float  # the prediction: overlap where the device overlaps
+    mfu: float  # model FLOPs / (step_s x peak FLOP/s)
+    tokens_per_s: float  # the whole job
+    bound: str  # "compute" | "interconnect"
+    verdict: str
+
+
+
+def link_profiles(dev: DeviceProfile, interconnect: str | InterconnectProfile | None, world: int,
+           per_node: int, notes: list[str]) -> T.Links | None:
+    try:
+        intra = interconnect_profile(dev.intra_node, dev)
+    except ValueError:
+        if interconnect is None:  # a CPU: its gloo bandwidth must be measured
+            notes.append(f"no time estimate: {dev.name!r} needs a measured interconnect "
+                         "(planner.calibrate, `shardwise plan --calibrate`)")
+            return None
+        intra = interconnect_profile(interconnect, dev)
+    if interconnect is None:
+        inter = interconnect_profile("ib-400g")
+        if world > per_node:
+            notes.append("no interconnect given: nodes assumed linked by ib-400g")
+    else:
+        inter = interconnect_profile(interconnect, dev)
+    return T.Links(intra, inter, per_node)
+
+
+def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: DeviceProfile,
+          mu: ModelUnits, acts: StepActivations | None, act_dtype: torch.dtype, opt: str,
+          batch: int, seq_len: int, checkpointing: bool, S: int, R: int, world: int,
+          host_offload: bool, reshard: bool) -> TimeEstimate:
+    tokens = batch * seq_len
+    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(act_dtype, "fp32")
+    if dname not in dev.peak_flops:
+        raise ValueError(f"device {dev.name!r} has no {dname} FLOP/s figure "
+                         f"(it has {sorted(dev.peak_flops)})")
+    a = acts or StepActivations()
+    act_per_unit = [a.layer * c.layers + (a.head if c.head else 0) for c in costs]
+    work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, dev, dname,
+                                              act_per_unit, checkpointing)
+    state_bytes = sum(c.state_bytes for c in costs)
+    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev, on_host=host_offload)
+    offload_s = T.offload_seconds(costs, gathers=2 if reshard else 1) if host_offload else 0.0
+    compute_s = sum(work.forward_s) + sum(work.backward_s)
+    comm_s = sum(links.seconds(c) for c in colls)
+    fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
+    overlap = T.overlapped_step(work, colls, links, fixed, sync_all_reduce=S > 1 and R > 1)
+    serial = T.serial_step(work, colls, links, fixed)
+    step = overlap if dev.overlap else serial
+    mfu = model_flops / (step * dev.peak_flops[dname])
+    exposed = step - compute_s - fixed
+    slow = links.inter if any(c.inter_node for c in colls) else links.intra
+    # The interconnect bounds the step when it would set the pace even with perfect overlap,
+    # or when a fifth of the step is spent waiting on it.
+    bound = "interconnect" if (comm_s >= compute_s or exposed > 0.2 * step) else "compute"
+    if bound == "interconnect":
+        need = sum(c.sent_bytes for c in colls) / compute_s / 2**30
+        verdict = (f"interconnect-bound: {slow.name} moves {_gib(colls)} GiB per rank "
+                   f"per step in {comm_s:.3g} s while compute takes {compute_s:.3g} s; "
+                   f"{exposed:.3g} s of each {step:.3g} s step ({100 * exposed / step:.0f}%) "
+                   f"waits on the network. Hiding it needs about {need:.3g} GiB/s per rank, "
+                   "or more tokens per step.")
+    else:
+        verdict = (f"compute-bound: communication ({comm_s:.3g} s per step) "
+                   + ("hides under" if dev.overlap else "adds to")
+                   + f" compute ({compute_s:.3g} s).")
+    return TimeEstimate(
+        tokens_per_rank=tokens, model_flops=model_flops, hardware_flops=hw_flops,
+        compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, offload_s=offload_s,
+        step_s_overlap=overlap,
+        step_s_serial=serial, step_s=step, mfu=mfu, tokens_per_s=tokens * world / step,
+        bound=bound, verdict=verdict)
+
+
+def _gib(colls: list[T.Collective]) -> str:
+    return f"{sum(c.sent_bytes for c in colls) / 2**30:.3g}"
