@@ -169,8 +169,11 @@ class Unit:
               wait: float = 0.0) -> None:
         ctx = self.ctx
         if ctx is not None and ctx.sinks:
+            # The group the buffer was split over ([Note: communication bytes]).
+            group = (self.mesh.replicate_size if collective == "all_reduce"
+                     else self.mesh.shard_size) if collective else 0
             ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start, now(),
-                       ctx.step, wait)
+                       ctx.step, wait, group)
             for sink in ctx.sinks:
                 sink(ev)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import IO
 
 from torch import nn
@@ -18,30 +17,6 @@ def _units(model: nn.Module) -> list:
     return units
 
 
-class _WithGroup:
-    """Hands `sink` each event with its `group` filled in from the emitting unit's mesh.
-
-    The engine's events carry the buffer size but not the group it was split over; the
-    group sizes are fixed once a model is sharded, so they are read here, once.
-    """
-
-    def __init__(self, model: nn.Module, sink: EventSink) -> None:
-        self.model = model
-        self.sink = sink
-        # unit name -> (shard group size, replicate group size); read when first needed:
-        # units take their final names at the root's lazy init (the first forward).
-        self.sizes: dict[str, tuple[int, int]] = {}
-
-    def __call__(self, ev: Event) -> None:
-        if ev.collective and not ev.group:
-            if ev.unit not in self.sizes:
-                self.sizes = {u.name: (u.mesh.shard_size, u.mesh.replicate_size)
-                              for u in _units(self.model)}
-            shard, replicate = self.sizes.get(ev.unit, (1, 1))
-            ev = replace(ev, group=replicate if ev.collective == "all_reduce" else shard)
-        self.sink(ev)
-
-
 def attach_sink(model: nn.Module, sink: EventSink) -> None:
     """Receive every engine `Event` of `model` (call after sharding; works before forward).
 
@@ -51,7 +26,7 @@ def attach_sink(model: nn.Module, sink: EventSink) -> None:
     if sinks is None:
         sinks = []
         model._sw_sinks = sinks  # type: ignore[attr-defined]
-    sinks.append(_WithGroup(model, sink))
+    sinks.append(sink)
     for u in _units(model):
         if u.ctx is not None:
             u.ctx.sinks = sinks
@@ -59,8 +34,8 @@ def attach_sink(model: nn.Module, sink: EventSink) -> None:
 
 def detach_sink(model: nn.Module, sink: EventSink) -> None:
     sinks = getattr(model, "_sw_sinks", [])
-    for wrapped in [s for s in sinks if s is sink or getattr(s, "sink", None) is sink]:
-        sinks.remove(wrapped)
+    if sink in sinks:
+        sinks.remove(sink)
 
 
 def set_step(model: nn.Module, step: int) -> None:
