@@ -38,7 +38,9 @@ def test_zero_accounting_for_a_bare_count(n: int) -> None:
     assert states["SHARD_GRAD_OP"].model_states_bytes == fs.model_states_bytes
     assert states["NO_SHARD"].model_states_bytes - counters == 16 * P
     # Term by term: fp32 master shard, fp32 gradient shard, two fp32 Adam moments.
-    assert fs.params_bytes == fs.grads_bytes == pytest.approx(4 * P / n, rel=1e-6)
+    # (The gradient shard also holds one 4-byte "has a gradient" flag per parameter tensor.)
+    assert fs.params_bytes == pytest.approx(4 * P / n, rel=1e-6)
+    assert 0 <= fs.grads_bytes - fs.params_bytes < 1e-6 * P
     assert fs.optimizer_bytes - counters == pytest.approx(8 * P / n, rel=1e-6)
     # HYBRID shards inside a node of 8 (or the whole world when smaller).
     hs = states["HYBRID_SHARD"]
@@ -180,7 +182,8 @@ def test_phase_peaks_and_options() -> None:
     sgo = sw.plan(model, sharding_strategy="SHARD_GRAD_OP", **kw)
     assert sgo.per_rank.unsharded_bytes > 5 * r.unsharded_bytes  # every unit kept gathered
     off = sw.plan(model, cpu_offload=True, **kw)
-    assert off.per_rank.host_bytes == r.model_states_bytes
+    # Offloaded gradients are copied out as exact shards, without the reduce flags.
+    assert 0 <= r.model_states_bytes - off.per_rank.host_bytes < 1e-6 * r.model_states_bytes
     assert off.per_rank.total_bytes < r.total_bytes - r.model_states_bytes / 2
     assert off.time.offload_s > 0 == p.time.offload_s
     assert off.time.step_s > p.time.step_s + off.time.offload_s  # the host's Adam is slow

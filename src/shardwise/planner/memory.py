@@ -57,7 +57,8 @@ class UnitCost:
     state_params: grad-requiring parameters (one optimizer step counter each).
     largest_state_bytes: the largest such local parameter (per-parameter temporaries).
     gather: (compute dtype, one rank's all-gather chunk numel) per communication group.
-    reduce: (reduce dtype, one rank's gradient chunk numel, device bytes left as gradients)
+    reduce: (reduce dtype, one rank's gradient chunk numel with its flags, device bytes left
+        as gradients)
       per group (0 under CPU offload: the gradients move to the host).
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
@@ -87,6 +88,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     shard = state = state_params = largest = unsharded = full_grads = 0
     gather: dict[torch.dtype, int] = {}
     grad_chunk: dict[torch.dtype, int] = {}
+    flag_count: dict[torch.dtype, int] = {}
     converted: dict[torch.dtype, int] = {}  # grads cast back to the master dtype (bytes)
     viewed: dict[torch.dtype, bool] = {}  # some grads are views of the reduction output
     direct_all = True
@@ -111,7 +113,10 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             state_params += 1
             largest = max(largest, local * orig)
             full_grads += p.numel * csize
-            grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row
+            # Plus one "has a gradient" flag per parameter in each rank's row of the reduce
+            # buffer (engine/unit.py, [Note: unused gradients]).
+            grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row + 1
+            flag_count[cdtype] = flag_count.get(cdtype, 0) + 1
             rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
             if rdtype == p.dtype and not host_offload:
                 viewed[cdtype] = True
@@ -121,7 +126,10 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     grads = 0
     for cdtype, n in grad_chunk.items():
         rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
-        kept = (n * _size(rdtype) if viewed.get(cdtype) else 0) + converted.get(cdtype, 0)
+        # One rank without casts reduces nothing: its gradients carry no flags.
+        flags = flag_count.get(cdtype, 0) if S == 1 else 0
+        kept = ((n - flags) * _size(rdtype) if viewed.get(cdtype) else 0) \
+            + converted.get(cdtype, 0)
         reduce.append((rdtype, n, 0 if host_offload else kept))
         grads += kept
     return UnitCost(
