@@ -22,7 +22,8 @@ def step_events(rank: int, step: int, t: float) -> list[Event]:
 
     def add(unit: str, phase: str, coll: str, nbytes: int, dt: float) -> None:
         nonlocal t
-        evs.append(Event(rank, unit, phase, coll, nbytes, t, t + dt, step))
+        evs.append(Event(rank, unit, phase, coll, nbytes, t, t + dt, step, 0.0,
+                         2 if coll else 0))  # a 2-rank run: the group each collective spans
         t += dt
 
     add("", "forward", "", 0, 0.0001)

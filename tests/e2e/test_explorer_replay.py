@@ -24,7 +24,7 @@ def test_replay_shows_per_rank_timelines_and_memory(tmp_path) -> None:
         # of both units (2 x 2704 + 2704 bytes of buffers), of which each of the 2 ranks
         # sends half.
         expect(first).to_contain_text("30 events")
-        expect(first).to_contain_text("8.1 KB")
+        expect(first).to_contain_text("8.11 KB sent")
         expect(page.get_by_test_id("replay-memory")).to_be_visible()
         expect(page.locator("#replay-table tr")).to_have_count(4)  # header + 3 steps
         page.locator("#replay-count").fill("1")
