@@ -63,7 +63,7 @@ def held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
 
     sps = sharded_params(model)
     params = storages([sp.padded_shard for sp in sps])
-    grads = storages([sp.sharded.grad for sp in sps if sp.sharded.grad is not None])
+    grads = storages([sp.shard_grad for sp in sps if sp.shard_grad is not None])
     state = storages([v for s in opt.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor)])
     return {"params": params, "grads": grads, "optimizer": state}

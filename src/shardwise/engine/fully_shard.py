@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as C
+from . import dtensor as DT
 from .buffers import BufferPool
 from .checks import check_module, check_params
 from .hooks import forward_post_hook, forward_pre_hook
@@ -107,17 +109,18 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     if isinstance(mesh, MeshInfo):
         return mesh
     if mesh is None:
-        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank)
+        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
+        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
     ndim = getattr(mesh, "ndim", None)
-    if not callable(getattr(mesh, "get_group", None)):
+    if not isinstance(mesh, DeviceMesh):
         ndim = None  # not a DeviceMesh, whatever its ndim says
     if ndim == 1:
         g = mesh.get_group()  # type: ignore[attr-defined]
-        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank)
+        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
     if ndim == 2:
         rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
         return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
-                        device, grank)
+                        device, grank, mesh)  # type: ignore[arg-type]
     raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
 
 
@@ -172,6 +175,11 @@ def fully_shard(
             sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
                 t, "_sw_orig_of", None)
             if sp is None:
+                if DT.is_dtensor(t):
+                    raise ValueError(
+                        f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
+                        f"{t.device_mesh}); shardwise shards plain parameters only (tensor "  # type: ignore[attr-defined]
+                        "parallelism composed with fully_shard is not supported yet)")
                 new.setdefault(id(t), (t, []))[1].append(ref)
                 continue
             owner: Unit = sp.owner  # type: ignore[attr-defined]
@@ -201,7 +209,7 @@ def fully_shard(
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
         pin = bool(offload_policy and offload_policy.pin_memory)
         sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
-                          pin_memory=pin)
+                          pin_memory=pin, device_mesh=info.device_mesh)
         # Later fully_shard calls on a parent find other references to the original here.
         t._sw_orig_of = sp  # type: ignore[attr-defined]
         if not t.is_meta:
@@ -235,8 +243,10 @@ def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | 
             raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
                              f"world size {world}")
         shard_g, rep_g = C.new_groups_2d(world // local, local)
-        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local,
-                        default_device(), C.rank())
+        dev = default_device()
+        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
+        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
+                        C.rank(), dmesh)
     if mesh is not None and getattr(mesh, "ndim", None) == 2:
         raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
     return mesh

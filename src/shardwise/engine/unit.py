@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..observe.events import Event, now
 from . import collectives as C
@@ -39,6 +40,8 @@ class MeshInfo:
     replicate_size: int
     device: torch.device
     global_rank: int = 0
+    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
+    device_mesh: DeviceMesh | None = None
 
     @property
     def dp_size(self) -> int:
@@ -366,16 +369,17 @@ class Unit:
                 if counts is not None and counts[i] == 0:
                     continue  # no rank computed it: the gradient stays as it was (None)
                 n = p.local_rows * p.row_numel
-                grad = out[off : off + n].view(p.sharded.shape)
+                grad = out[off : off + n].view(p.local.shape)
                 if grad.dtype != p.orig_dtype or grad.device != p.host_device:
                     grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
-                if p.direct or p.sharded.grad is None:
+                have = p.shard_grad
+                if p.direct or have is None:
                     # Direct params accumulated locally; the reduced sum replaces it.
-                    p.sharded.grad = grad
+                    p.set_shard_grad(grad)
                     if p.direct:
                         p.mark_reduced()
                 else:
-                    p.sharded.grad.add_(grad)
+                    have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
 
 
 def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:
