@@ -26,3 +26,9 @@ def test_dcp_save_load_other_world_size(tmp_path: Path, save_world: int,
     path = str(tmp_path / "ckpt")
     run_distributed(W.dcp_save, save_world, path)
     run_distributed(W.dcp_load_and_step, load_world, path)
+
+
+def test_fsdp2_module_methods_and_policies() -> None:
+    from tests.dist import fsdp2_api_workers as A
+
+    run_distributed(A.api, 2)

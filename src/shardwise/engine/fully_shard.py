@@ -15,6 +15,7 @@ from .buffers import BufferPool
 from .checks import check_module, check_params
 from .hooks import forward_post_hook, forward_pre_hook
 from .misuse import watch_optimizers
+from .module_api import FSDP2Methods, check_reshard_after_forward
 from .policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -27,7 +28,7 @@ from .unit import MeshInfo, ShardedState, Unit
 from .wrap import wrap_targets
 
 
-class ShardedModule:
+class ShardedModule(FSDP2Methods):
     """Mixed into a sharded module's class, so `isinstance(m, OriginalClass)` still holds."""
 
     _sw_unit: Unit
@@ -60,29 +61,6 @@ class ShardedModule:
                     "after sharding: convert it before fully_shard/shard_model, or use "
                     "mixed_precision= (compute dtype) and cpu_offload= (where shards live)")
         return super()._apply(fn, recurse)  # type: ignore[misc]
-
-    def unshard(self) -> None:
-        """Gather this unit's full parameters onto the module (synchronously)."""
-        self._sw_unit.wait_unshard()
-
-    def reshard(self) -> None:
-        """Free this unit's full parameters; the module holds only its shards."""
-        self._sw_unit.reshard()
-
-    def set_requires_gradient_sync(self, requires: bool, *, recurse: bool = True) -> None:
-        """False: backward accumulates unsharded gradients locally, with no communication."""
-        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        for m in mods:
-            unit = getattr(m, "_sw_unit", None)
-            if unit is not None:
-                unit.requires_grad_sync = bool(requires)
-
-    def set_prefetch(self, enabled: bool) -> None:
-        """Turn all-gather prefetching on or off (on by default)."""
-        unit = self._sw_unit
-        if unit.ctx is not None:
-            unit.ctx.prefetch_enabled = bool(enabled)
-        self._sw_prefetch = bool(enabled)
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -125,7 +103,7 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: object | None = None,
     reshard_after_forward: bool = True,
@@ -136,8 +114,14 @@ def fully_shard(
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
     Call it on the blocks first and on the root last. The module keeps its class and gains
-    `unshard()`, `reshard()` and `set_requires_gradient_sync()`.
+    FSDP2's module methods (module_api.py). `mp_policy` and `offload_policy` also take
+    torch.distributed.fsdp's own policy objects.
     """
+    if isinstance(module, (list, tuple)):
+        raise ValueError(
+            f"fully_shard on a list of {len(module)} modules is not supported: shard their "
+            "common parent instead (tied parameters shared by several units, such as an "
+            "embedding and its head, are moved into that parent's unit automatically)")
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -147,12 +131,15 @@ def fully_shard(
         )
     if getattr(module, "_sw_unit", None) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be a bool")
+    check_reshard_after_forward(reshard_after_forward)
+    mp_policy = MixedPrecisionPolicy.from_torch(mp_policy)
+    offload_policy = CPUOffloadPolicy.from_torch(offload_policy)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy or None")
+        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy, torch's "
+                         "MixedPrecisionPolicy or None")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy or None")
+        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy, "
+                         "torch's CPUOffloadPolicy / OffloadPolicy or None")
     ignored_list = check_params("ignored_params", ignored_params)
     info = mesh_info_for(mesh)
     ignored = {id(p) for p in ignored_list}

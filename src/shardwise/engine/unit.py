@@ -120,6 +120,10 @@ class Unit:
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
+        # False: keep the full parameters after backward (set_reshard_after_backward).
+        self.reshard_after_backward = True
+        # Reduced gradients are divided by this (None: the data-parallel size, a mean).
+        self.grad_divide_factor: float | None = None
         self._gathers: list[_PendingGather] = []
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
@@ -272,7 +276,8 @@ class Unit:
             pending = self._reduce_grads()
         else:
             self._accumulate_unsynced()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         return pending
 
     def _accumulate_unsynced(self) -> None:
@@ -362,8 +367,9 @@ class Unit:
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
-        if mesh.dp_size > 1:
-            out[:n_grad].div_(mesh.dp_size)
+        factor = self.grad_divide_factor or mesh.dp_size
+        if factor != 1:
+            out[:n_grad].div_(factor)
         with torch.no_grad():
             for i, (p, off) in enumerate(zip(pr.group.grad_params, pr.group.grad_offsets)):
                 if counts is not None and counts[i] == 0:
