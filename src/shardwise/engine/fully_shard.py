@@ -37,7 +37,8 @@ class ShardedModule(FSDP2Methods):
         # A sharded module is only ever made by fully_shard changing __class__. A *new*
         # instance (nn.Sequential's slice builds one with type(self)(...)) has no unit
         # behind it: make it a plain module of the original class.
-        plain = next(c for c in cls.__mro__ if not issubclass(c, ShardedModule))
+        plain = next(c for c in cls.__mro__
+                     if not issubclass(c, (ShardedModule, FSDP2Methods)))
         obj = plain.__new__(plain)
         obj.__init__(*args, **kwargs)
         return obj
