@@ -9,12 +9,13 @@ having nothing to change (docs/porting.md lists these).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .checks import check_bool, check_number
 
-if TYPE_CHECKING:
-    from .unit import Unit
+# Imported at run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a
+# model's class (typing.get_type_hints), and a sharded module's class inherits these.
+from .unit import Unit
 
 
 class UnshardHandle:
