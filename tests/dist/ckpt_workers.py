@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from shardwise.engine import collectives as C
 from shardwise.engine.fully_shard import named_sharded_params
 from tests.models import loss_fn, make_batch, make_model
@@ -50,7 +51,8 @@ def _gather_rows(sp: object, rows: torch.Tensor | None) -> torch.Tensor:
     """Full tensor from this rank's rows of something shaped like sp (test-only)."""
     padded = torch.zeros(sp.chunk_rows, *sp.rest)
     if rows is not None:
-        padded[: sp.local_rows] = rows.reshape(sp.local_rows, *sp.rest)
+        # Optimizer state of a DTensor parameter is a DTensor: its local rows.
+        padded[: sp.local_rows] = local_of(rows).reshape(sp.local_rows, *sp.rest)
     if sp.shard_size > 1:
         full = torch.empty(sp.shard_size * sp.chunk_rows, *sp.rest)
         C.all_gather(full.view(-1), padded.reshape(-1), sp.owner.mesh.shard_group, False)

@@ -249,7 +249,7 @@ def deferred_peak_memory(rank: int, world: int, width: int) -> dict[str, int]:
     sw.materialize(model)
     after = hwm()
     full_bytes = 4 * 4 * (width * width + width)  # 4 fp32 Linear(width, width) layers
-    local = sum(p.numel() * 4 for p in model.parameters())
+    local = sum(p.to_local().numel() * 4 for p in model.parameters())  # DTensor rows
     return {"growth": after - before, "unsharded": full_bytes, "local": local,
             "rank": rank, "pid": os.getpid()}
 

@@ -7,6 +7,7 @@ import copy
 import torch
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from tests.models import loss_fn, make_batch, make_model
 
 PER_RANK = 3  # samples per rank per step
@@ -32,7 +33,7 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     out = {}
     for fqn, sp in named_sharded_params(model):
-        g = sp.sharded.grad
+        g = sp.shard_grad
         rows = torch.zeros(sp.chunk_rows, *sp.rest)
         if g is not None:
             rows[: sp.local_rows] = g
@@ -172,9 +173,12 @@ def holdings(rank: int, world: int) -> dict[str, int]:
     x, y = make_batch("lm", 0, PER_RANK)
     loss_fn("lm", model(x), y).backward()
     opt.step()
-    local = sum(p.numel() for p in model.parameters())
-    grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    # Sharded parameters, their gradients and optimizer state are DTensors: count the rows
+    # this rank holds.
+    local = sum(local_of(p).numel() for p in model.parameters())
+    grads = sum(local_of(p.grad).numel() for p in model.parameters() if p.grad is not None)
+    trainable = sum(local_of(p).numel() for p in model.parameters() if p.requires_grad)
+    state = sum(local_of(v).numel() for s in opt.state.values() for v in s.values()
+                if v.dim() > 0)
     return {"total": total, "local": local, "trainable": trainable, "grads": grads,
             "state": state}

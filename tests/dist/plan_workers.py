@@ -52,18 +52,19 @@ def reset_high_water_mark() -> bool:
 
 def held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes behind params, grads and optimizer state, each storage counted once."""
+    from shardwise.engine.dtensor import local_of
     from shardwise.engine.fully_shard import sharded_params
 
     def storages(tensors: list[torch.Tensor]) -> int:
         seen: dict[int, int] = {}
         for t in tensors:
-            s = t.untyped_storage()
+            s = local_of(t).untyped_storage()  # optimizer state of DTensor params: DTensors
             seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())
 
     sps = sharded_params(model)
     params = storages([sp.padded_shard for sp in sps])
-    grads = storages([sp.sharded.grad for sp in sps if sp.sharded.grad is not None])
+    grads = storages([sp.shard_grad for sp in sps if sp.shard_grad is not None])
     state = storages([v for s in opt.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor)])
     return {"params": params, "grads": grads, "optimizer": state}

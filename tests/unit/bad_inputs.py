@@ -149,8 +149,10 @@ CASES: list[Case] = [
         _fs(mesh=3)),
     api("fully_shard(mesh)", "object with ndim=1, no get_group", "must be None or a 1-D or 2-D "
         "torch DeviceMesh", _fs(mesh=SimpleNamespace(ndim=1))),
-    api("fully_shard(reshard_after_forward)", "1", "reshard_after_forward=1 must be a bool",
-        _fs(reshard_after_forward=1)),
+    api("fully_shard(module)", "[m1, m2]", "fully_shard on a list of 2 modules is not "
+        "supported", lambda: sw.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])),  # type: ignore[arg-type]
+    api("fully_shard(reshard_after_forward)", "1", "reshard_after_forward=1 is not supported: "
+        "must be a bool", _fs(reshard_after_forward=1)),
     api("fully_shard(mp_policy)", "'bf16'", "mp_policy='bf16' must be sw.MixedPrecisionPolicy",
         _fs(mp_policy="bf16")),
     api("fully_shard(offload_policy)", "True", "offload_policy=True must be sw.CPUOffloadPolicy",

@@ -65,7 +65,7 @@ def test_shard_then_gather_is_the_identity(shape: tuple[int, ...], world: int,
     chunks = torch.chunk(rows, world) if dim0 else ()
     for r, sp in enumerate(sps):
         want = chunks[r] if r < len(chunks) else rows[:0]
-        assert torch.equal(sp.sharded.detach(), want)
+        assert torch.equal(sp.local, want)
         assert torch.equal(sp.local_slice(full), want)
         # Padding rows are zero (the data has none).
         assert not sp.padded_shard[sp.local_rows:].any()
@@ -169,7 +169,7 @@ def no_padding_leaks(rank: int, world: int, shapes: list[tuple[int, ...]], root:
     for sp, p in zip(sps, ref.parameters()):
         # Each rank's gradient shard is its rows of the full gradient (= p), nothing more
         # (close, not equal: the mean over 3 ranks of p is not exactly p in floating point).
-        got, want_rows = sp.sharded.grad, sp.local_slice(p.detach())
+        got, want_rows = sp.shard_grad, sp.local_slice(p.detach())
         assert got.shape == want_rows.shape, sp.fqn
         torch.testing.assert_close(got, want_rows, rtol=1e-6, atol=0)
     sd_before = sw.full_state_dict(model)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..engine.dtensor import wrap
+from ..engine.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
 from .slots import ModelView, Slot, full_slot, rows_of, sharded_slot
@@ -128,6 +130,17 @@ def _scalar(spec: dict[str, Any]) -> Any:
     return spec["value"]
 
 
+def _like_param(rows: torch.Tensor, sp: ShardedParam | None, p: torch.Tensor) -> torch.Tensor:
+    """Optimizer state for parameter `p` from its stored rows, in the parameter's form.
+
+    A DTensor parameter gets DTensor state of the same placement (torch's
+    `load_state_dict` casts dtype and device, but would leave a plain tensor plain).
+    """
+    if sp is None or sp.spec is None:
+        return rows.reshape(p.shape)
+    return wrap(rows.reshape(sp.local.shape).to(sp.host_device), sp.spec)
+
+
 def read_state(optimizer: torch.optim.Optimizer, view: ModelView, m: Manifest,
                read: Callable[[str, int, int], torch.Tensor]) -> dict[str, Any]:
     """This optimizer's `state_dict()`, built from the checkpoint; tensors on the CPU.
@@ -151,7 +164,7 @@ def read_state(optimizer: torch.optim.Optimizer, view: ModelView, m: Manifest,
                         rows = read(optim_name(fqn, name), sp.row_start, sp.row_end)
                     else:
                         rows = read(optim_name(fqn, name), 0, rows_of(p).shape[0])
-                    st[name] = rows.reshape(p.shape)
+                    st[name] = _like_param(rows, sp, p)
                 state[index] = st
             ids.append(index)
             index += 1

@@ -286,7 +286,7 @@ def load_checkpoint(
     with torch.no_grad():
         for sp, rows in staged:
             sp.materialize()
-            sp.sharded.copy_(rows.view(sp.sharded.shape))
+            sp.local.copy_(rows.view(sp.local.shape))
         units = units_of(model)
         device = units[0].mesh.device if units else torch.device("cpu")
         for key, t, rows in plain:

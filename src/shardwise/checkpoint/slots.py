@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..engine import collectives as C
+from ..engine.dtensor import local_of
 from ..engine.fully_shard import named_sharded_params
 from ..engine.sharded_param import ShardedParam
 from .manifest import model_name
@@ -49,9 +50,13 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_slot(name: str, sp: ShardedParam, local: torch.Tensor) -> Slot:
-    """`local` is shaped like sp.sharded: this rank's rows of a tensor shaped like sp."""
-    return Slot(name, tuple(sp.orig_shape), local.dtype, sp.row_start, sp.row_end,
-                writes_shards(sp), local.detach())
+    """`local` is shaped like sp.local: this rank's rows of a tensor shaped like sp.
+
+    A DTensor (a parameter or its optimizer state) contributes its local tensor.
+    """
+    rows = local_of(local.detach())
+    return Slot(name, tuple(sp.orig_shape), rows.dtype, sp.row_start, sp.row_end,
+                writes_shards(sp), rows)
 
 
 def full_slot(name: str, t: torch.Tensor) -> Slot:
@@ -71,7 +76,7 @@ class ModelEntry:
 
     def slot(self) -> Slot:
         if self.sp is not None:
-            return sharded_slot(model_name(self.key), self.sp, self.sp.sharded)
+            return sharded_slot(model_name(self.key), self.sp, self.sp.local)
         return full_slot(model_name(self.key), self.tensor)
 
 

@@ -141,6 +141,11 @@ def global_rank_of(group: ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def world_group() -> ProcessGroup:
+    """The default process group as an object (what DeviceMesh.from_group needs)."""
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
 def backend(group: ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
 

@@ -7,12 +7,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives as C
+from . import dtensor as DT
 from .buffers import BufferPool
 from .checks import check_module, check_params
 from .hooks import forward_post_hook, forward_pre_hook
 from .misuse import watch_optimizers
+from .module_api import FSDP2Methods, check_reshard_after_forward
 from .policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -25,7 +28,7 @@ from .unit import MeshInfo, ShardedState, Unit
 from .wrap import wrap_targets
 
 
-class ShardedModule:
+class ShardedModule(FSDP2Methods):
     """Mixed into a sharded module's class, so `isinstance(m, OriginalClass)` still holds."""
 
     _sw_unit: Unit
@@ -34,7 +37,8 @@ class ShardedModule:
         # A sharded module is only ever made by fully_shard changing __class__. A *new*
         # instance (nn.Sequential's slice builds one with type(self)(...)) has no unit
         # behind it: make it a plain module of the original class.
-        plain = next(c for c in cls.__mro__ if not issubclass(c, ShardedModule))
+        plain = next(c for c in cls.__mro__
+                     if not issubclass(c, (ShardedModule, FSDP2Methods)))
         obj = plain.__new__(plain)
         obj.__init__(*args, **kwargs)
         return obj
@@ -58,29 +62,6 @@ class ShardedModule:
                     "after sharding: convert it before fully_shard/shard_model, or use "
                     "mixed_precision= (compute dtype) and cpu_offload= (where shards live)")
         return super()._apply(fn, recurse)  # type: ignore[misc]
-
-    def unshard(self) -> None:
-        """Gather this unit's full parameters onto the module (synchronously)."""
-        self._sw_unit.wait_unshard()
-
-    def reshard(self) -> None:
-        """Free this unit's full parameters; the module holds only its shards."""
-        self._sw_unit.reshard()
-
-    def set_requires_gradient_sync(self, requires: bool, *, recurse: bool = True) -> None:
-        """False: backward accumulates unsharded gradients locally, with no communication."""
-        mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        for m in mods:
-            unit = getattr(m, "_sw_unit", None)
-            if unit is not None:
-                unit.requires_grad_sync = bool(requires)
-
-    def set_prefetch(self, enabled: bool) -> None:
-        """Turn all-gather prefetching on or off (on by default)."""
-        unit = self._sw_unit
-        if unit.ctx is not None:
-            unit.ctx.prefetch_enabled = bool(enabled)
-        self._sw_prefetch = bool(enabled)
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -107,22 +88,23 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     if isinstance(mesh, MeshInfo):
         return mesh
     if mesh is None:
-        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank)
+        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
+        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
     ndim = getattr(mesh, "ndim", None)
-    if not callable(getattr(mesh, "get_group", None)):
+    if not isinstance(mesh, DeviceMesh):
         ndim = None  # not a DeviceMesh, whatever its ndim says
     if ndim == 1:
         g = mesh.get_group()  # type: ignore[attr-defined]
-        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank)
+        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
     if ndim == 2:
         rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
         return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
-                        device, grank)
+                        device, grank, mesh)  # type: ignore[arg-type]
     raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: object | None = None,
     reshard_after_forward: bool = True,
@@ -133,8 +115,14 @@ def fully_shard(
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
     Call it on the blocks first and on the root last. The module keeps its class and gains
-    `unshard()`, `reshard()` and `set_requires_gradient_sync()`.
+    FSDP2's module methods (module_api.py). `mp_policy` and `offload_policy` also take
+    torch.distributed.fsdp's own policy objects.
     """
+    if isinstance(module, (list, tuple)):
+        raise ValueError(
+            f"fully_shard on a list of {len(module)} modules is not supported: shard their "
+            "common parent instead (tied parameters shared by several units, such as an "
+            "embedding and its head, are moved into that parent's unit automatically)")
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -144,12 +132,15 @@ def fully_shard(
         )
     if getattr(module, "_sw_unit", None) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be a bool")
+    check_reshard_after_forward(reshard_after_forward)
+    mp_policy = MixedPrecisionPolicy.from_torch(mp_policy)
+    offload_policy = CPUOffloadPolicy.from_torch(offload_policy)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy or None")
+        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy, torch's "
+                         "MixedPrecisionPolicy or None")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy or None")
+        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy, "
+                         "torch's CPUOffloadPolicy / OffloadPolicy or None")
     ignored_list = check_params("ignored_params", ignored_params)
     info = mesh_info_for(mesh)
     ignored = {id(p) for p in ignored_list}
@@ -172,6 +163,11 @@ def fully_shard(
             sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
                 t, "_sw_orig_of", None)
             if sp is None:
+                if DT.is_dtensor(t):
+                    raise ValueError(
+                        f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
+                        f"{t.device_mesh}); shardwise shards plain parameters only (tensor "  # type: ignore[attr-defined]
+                        "parallelism composed with fully_shard is not supported yet)")
                 new.setdefault(id(t), (t, []))[1].append(ref)
                 continue
             owner: Unit = sp.owner  # type: ignore[attr-defined]
@@ -201,7 +197,7 @@ def fully_shard(
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
         pin = bool(offload_policy and offload_policy.pin_memory)
         sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
-                          pin_memory=pin)
+                          pin_memory=pin, device_mesh=info.device_mesh)
         # Later fully_shard calls on a parent find other references to the original here.
         t._sw_orig_of = sp  # type: ignore[attr-defined]
         if not t.is_meta:
@@ -235,8 +231,10 @@ def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | 
             raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
                              f"world size {world}")
         shard_g, rep_g = C.new_groups_2d(world // local, local)
-        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local,
-                        default_device(), C.rank())
+        dev = default_device()
+        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
+        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
+                        C.rank(), dmesh)
     if mesh is not None and getattr(mesh, "ndim", None) == 2:
         raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
     return mesh

@@ -32,7 +32,8 @@ def clip_grad_norm_(
     sps = sharded_params(model)
     units = units_of(model)
     sharded_ids = {id(p.sharded) for p in sps}
-    shard_grads = [p.sharded.grad for p in sps if p.sharded.grad is not None]
+    # Plain local rows of the DTensor gradients: the reduction is ours, below.
+    shard_grads = [g for g in (p.shard_grad for p in sps) if g is not None]
     local_grads = [p.grad for p in model.parameters()
                    if id(p) not in sharded_ids and p.grad is not None]
     device = units[0].mesh.device if units else torch.device("cpu")

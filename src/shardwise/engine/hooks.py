@@ -163,7 +163,8 @@ class RootContext:
             pr = self.pending.popleft()
             pr.unit.finish_reduce(pr)
         for u in self.units:
-            u.reshard()
+            if u.reshard_after_backward:
+                u.reshard()
         self._final_queued = False
         self.state = TrainingState.IDLE
 

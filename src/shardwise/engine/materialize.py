@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ def materialize(
         with warnings.catch_warnings():
             # A rank whose shard of a small parameter is empty initializes zero elements.
             warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
-            with torch.no_grad():
+            with torch.no_grad(), _plain_shards(model):
                 for m in model.modules():
                     if init_fn is not None:
                         init_fn(m)
@@ -88,6 +89,27 @@ def materialize(
             "reset_parameters() or in init_fn (e.g. recompute rotary inv_freq there), or "
             "create them outside the meta device")
     return model
+
+
+@contextlib.contextmanager
+def _plain_shards(model: nn.Module) -> Iterator[None]:
+    """Modules hold plain views of their local rows while initializers run.
+
+    On the DTensor parameters, an initializer would draw through DTensor's own random
+    stream (offsets over the global tensor) instead of each shard rank's seeded stream
+    above; the plain views share storage, so what the initializers write is the shard.
+    """
+    sps = sharded_params(model)
+    for sp in sps:
+        view = nn.Parameter(sp.local, requires_grad=sp.requires_grad)
+        for ref in sp.refs:
+            ref.module._parameters[ref.name] = view
+    try:
+        yield
+    finally:
+        for sp in sps:
+            for ref in sp.refs:
+                ref.module._parameters[ref.name] = sp.sharded
 
 
 def _unfilled(b: torch.Tensor, device: torch.device) -> torch.Tensor:

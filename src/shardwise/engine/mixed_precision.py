@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from . import dtensor as DT
 from .checks import check_bool, check_int, check_module, check_number
 from .fully_shard import sharded_params, units_of
 
@@ -79,8 +80,9 @@ class ShardedGradScaler:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    p.grad.mul_(inv)
-                    if not torch.isfinite(p.grad).all():
+                    g = DT.local_of(p.grad)  # the shard's rows; the flag is reduced below
+                    g.mul_(inv)
+                    if not torch.isfinite(g).all():
                         local_inf = True
         flag = torch.tensor([1.0 if local_inf else 0.0])
         if C.is_initialized() and C.world_size() > 1:

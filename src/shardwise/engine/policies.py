@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -81,7 +81,19 @@ class MixedPrecisionPolicy:
         check_bool("cast_forward_inputs", self.cast_forward_inputs)
 
     @classmethod
+    def from_torch(cls, value: Any) -> Any:
+        """torch.distributed.fsdp.MixedPrecisionPolicy -> ours (same fields, same meaning);
+        anything else is returned as it is."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+        if isinstance(value, TorchMP):
+            return cls(value.param_dtype, value.reduce_dtype, value.output_dtype,
+                       value.cast_forward_inputs)
+        return value
+
+    @classmethod
     def parse(cls, value: str | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+        value = cls.from_torch(value)
         if value is None or isinstance(value, MixedPrecisionPolicy):
             return value
         if isinstance(value, str):
@@ -120,7 +132,22 @@ class CPUOffloadPolicy:
             check_bool(f"CPUOffloadPolicy.{field}", getattr(self, field))
 
     @classmethod
+    def from_torch(cls, value: Any) -> Any:
+        """torch.distributed.fsdp.CPUOffloadPolicy -> ours (parameters, gradients and
+        optimizer state on the host, as FSDP2 does); its base OffloadPolicy (no offload) ->
+        None; anything else is returned as it is."""
+        from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+        from torch.distributed.fsdp import OffloadPolicy as TorchNoOffload
+
+        if isinstance(value, TorchOffload):
+            return cls(pin_memory=value.pin_memory)
+        if isinstance(value, TorchNoOffload):
+            return None
+        return value
+
+    @classmethod
     def parse(cls, value: bool | CPUOffloadPolicy | None) -> CPUOffloadPolicy | None:
+        value = cls.from_torch(value)
         if value is None or value is False:
             return None
         if value is True:

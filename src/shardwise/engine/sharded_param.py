@@ -6,7 +6,9 @@ owns rows [r*C, min((r+1)*C, D0)). The *sharded* parameter the optimizer sees is
 those valid rows (possibly zero of them); it is a view into a padded (C, *rest) buffer so the
 all-gather can send fixed-size chunks without copying padding around. A 0-d parameter is
 treated as shape (1,). The *unsharded* parameter is a view of the first D0 rows of a padded
-(S*C, *rest) buffer whose storage exists only while the unit is unsharded.
+(S*C, *rest) buffer whose storage exists only while the unit is unsharded. On the module,
+the sharded parameter is a DTensor whose local tensor is `local` (dtensor.py
+[Note: DTensor parameters]).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import dtensor as DT
 
 
 @dataclass
@@ -38,6 +43,7 @@ class ShardedParam:
         compute_dtype: torch.dtype | None,
         host_device: torch.device | None = None,
         pin_memory: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         # Every place the module tree refers to this parameter; the first names it.
         self.refs = refs
@@ -54,6 +60,11 @@ class ShardedParam:
         self.host_device = host_device or device
         # Page-locked host shards (CPU offload to a GPU): host<->device copies run async.
         self.pin_memory = pin_memory and self.host_device.type == "cpu" and device.type == "cuda"
+
+        # How the module presents the shard ([Note: DTensor parameters]); None: plain.
+        self.spec = (DT.spec_for(device_mesh, self.orig_shape, self.orig_dtype)
+                     if device_mesh is not None and shard_size > 1 and param.dim() > 0
+                     else None)
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
         self.dim0 = shape2d[0]
@@ -91,7 +102,11 @@ class ShardedParam:
         if old is not None:
             # Replaced (materialize): an optimizer still holding it must fail loudly.
             old._sw_orig_of = self  # type: ignore[attr-defined]
-        self.sharded = nn.Parameter(padded[: self.local_rows], requires_grad=self.requires_grad)
+        # This rank's rows as a plain tensor: what the engine, checkpoints and grad norm use.
+        self.local = padded[: self.local_rows]
+        # What the module and the optimizer hold: a DTensor over `local` (same storage).
+        face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
+        self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
         # the sharded parameter *is* the unsharded one (NO_SHARD without casts). Not for a
@@ -154,6 +169,18 @@ class ShardedParam:
         else:
             self.unsharded.grad = None
             self.acc_grad = None
+
+    # --- the sharded gradient, as plain local rows ----------------------------------
+
+    @property
+    def shard_grad(self) -> torch.Tensor | None:
+        """This rank's rows of the sharded gradient (a plain tensor), or None."""
+        g = self.sharded.grad
+        return None if g is None else DT.local_of(g)
+
+    def set_shard_grad(self, rows: torch.Tensor) -> None:
+        """Make `rows` (plain, shaped like `local`) the sharded gradient."""
+        self.sharded.grad = rows if self.spec is None else DT.wrap(rows, self.spec)
 
     def mark_reduced(self) -> None:
         g = self.sharded.grad
@@ -231,4 +258,4 @@ class ShardedParam:
             )
         self.materialize()
         with torch.no_grad():
-            self._padded_shard[: self.local_rows].copy_(self.local_slice(full))
+            self.local.copy_(self.local_slice(full))

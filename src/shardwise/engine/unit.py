@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..observe.events import Event, now
 from . import collectives as C
@@ -39,6 +40,8 @@ class MeshInfo:
     replicate_size: int
     device: torch.device
     global_rank: int = 0
+    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
+    device_mesh: DeviceMesh | None = None
 
     @property
     def dp_size(self) -> int:
@@ -117,6 +120,10 @@ class Unit:
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
+        # False: keep the full parameters after backward (set_reshard_after_backward).
+        self.reshard_after_backward = True
+        # Reduced gradients are divided by this (None: the data-parallel size, a mean).
+        self.grad_divide_factor: float | None = None
         self._gathers: list[_PendingGather] = []
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
@@ -272,7 +279,8 @@ class Unit:
             pending = self._reduce_grads()
         else:
             self._accumulate_unsynced()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         return pending
 
     def _accumulate_unsynced(self) -> None:
@@ -362,23 +370,25 @@ class Unit:
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
-        if mesh.dp_size > 1:
-            out[:n_grad].div_(mesh.dp_size)
+        factor = self.grad_divide_factor or mesh.dp_size
+        if factor != 1:
+            out[:n_grad].div_(factor)
         with torch.no_grad():
             for i, (p, off) in enumerate(zip(pr.group.grad_params, pr.group.grad_offsets)):
                 if counts is not None and counts[i] == 0:
                     continue  # no rank computed it: the gradient stays as it was (None)
                 n = p.local_rows * p.row_numel
-                grad = out[off : off + n].view(p.sharded.shape)
+                grad = out[off : off + n].view(p.local.shape)
                 if grad.dtype != p.orig_dtype or grad.device != p.host_device:
                     grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
-                if p.direct or p.sharded.grad is None:
+                have = p.shard_grad
+                if p.direct or have is None:
                     # Direct params accumulated locally; the reduced sum replaces it.
-                    p.sharded.grad = grad
+                    p.set_shard_grad(grad)
                     if p.direct:
                         p.mark_reduced()
                 else:
-                    p.sharded.grad.add_(grad)
+                    have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
 
 
 def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:

@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from ..engine import collectives as C
+from ..engine.dtensor import local_of
 from ..observe.events import Event, now
 from .problem import LR, Problem, evaluate, make_model, make_problem, points_payload, rank_slice
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """Bytes this rank holds (a DTensor's local rows, not its global size)."""
+    return 0 if t is None else local_of(t).numel() * t.element_size()
 
 
 class MemoryProbe:
@@ -112,7 +114,7 @@ class RankTrainer:
                 params.append({
                     "name": sp.fqn if not name else f"{name}.{sp.fqn}",
                     "shape": shape, "rows": [sp.row_start, sp.row_end],
-                    "dim0": shape[0] if shape else 1, "numel": sp.sharded.numel(),
+                    "dim0": shape[0] if shape else 1, "numel": sp.local.numel(),
                 })
             units.append({"name": name, "params": params})
         mesh = next(m._sw_unit.mesh for m in self.model.modules()

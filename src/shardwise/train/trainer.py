@@ -24,6 +24,7 @@ import torch
 import shardwise as sw
 
 from ..engine import collectives as Cm
+from ..engine.dtensor import local_of
 from ..observe.sinks import JsonlSink, attach_sink, detach_sink, set_step
 from ..observe.trace import Trace
 from . import data as D
@@ -276,7 +277,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
                          "nothing to do (raise --train.steps to train further)")
 
     n_params = gcfg.num_params()
-    local_params = sum(p.numel() for p in model.parameters())
+    local_params = sum(local_of(p).numel() for p in model.parameters())
     tokens_per_step = t.batch_size * seq * t.grad_accum * world
     rep.start({"run_dir": str(run_dir), "world": world, "device": str(device),
                "params": n_params, "local_params": local_params, "start_step": start,

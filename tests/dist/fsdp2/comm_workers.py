@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from tests.dist.fsdp2.common import (
     Expect,
     count,
@@ -119,7 +120,7 @@ def unshard_without_lazy_init(rank: int, world: int, ex: Expect) -> None:
         ex.close(p.detach(), rp.detach(), f"{n} after unshard()")
     model.reshard()
     for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
-        ex.close(p.detach(), shard_rows(rp.detach(), rank, world), f"{n} after reshard()")
+        ex.close(local_of(p.detach()), shard_rows(rp.detach(), rank, world), f"{n} after reshard()")
 
 
 def singleton_no_division(rank: int, world: int, ex: Expect) -> None:

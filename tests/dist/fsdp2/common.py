@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 
 # upstream's assertEqual tolerances for float32 (torch.testing defaults)
 RTOL, ATOL = 1.3e-6, 1e-5
@@ -72,6 +74,8 @@ def shard_rows(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def is_sharded(p: torch.Tensor, full_shape: torch.Size, rank: int, size: int) -> bool:
     """Whether the registered parameter `p` is this rank's shard (not the full tensor)."""
+    if isinstance(p, DTensor):
+        return True  # sharded parameters are DTensors (issue 14), as in FSDP2
     shape = shard_rows(torch.empty(full_shape, device="meta"), rank, size).shape
     return tuple(p.shape) == tuple(shape) and tuple(shape) != tuple(full_shape)
 
@@ -94,7 +98,7 @@ def check_sharded_parity(ex: Expect, ref: nn.Module, model: nn.Module, rank: int
     for name, p in model.named_parameters():
         rp = named[strip(name, prefixes)]
         mine = shard_rows(rp.detach(), rank, size)
-        if not ex.close(p.detach().reshape(mine.shape), mine, f"{what}: param {name}",
+        if not ex.close(local_of(p.detach()).reshape(mine.shape), mine, f"{what}: param {name}",
                         rtol, atol):
             continue
         if not grads:
@@ -105,7 +109,7 @@ def check_sharded_parity(ex: Expect, ref: nn.Module, model: nn.Module, rank: int
         elif p.grad is None:
             ex.true(mine.numel() == 0, f"{what}: grad {name} is None, the reference has one")
         else:
-            ex.close(p.grad.reshape(mine.shape), shard_rows(rp.grad, rank, size),
+            ex.close(local_of(p.grad).reshape(mine.shape), shard_rows(rp.grad, rank, size),
                      f"{what}: grad {name}", rtol, atol)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from tests.dist.fsdp2.common import Expect
 
 
@@ -24,11 +25,11 @@ def gradient_scaler(rank: int, world: int, ex: Expect, has_inf: bool) -> None:
     scaler.scale(loss).backward()
     first = opt.param_groups[0]["params"][0]
     if has_inf and rank == 1:
-        first.grad[0, 0] = float("inf")
-    initial_grad = first.grad.detach().clone()
-    initial_params = [p.detach().clone() for p in model.parameters()]
+        local_of(first.grad)[0, 0] = float("inf")  # in rank 1's own rows
+    initial_grad = local_of(first.grad).detach().clone()
+    initial_params = [local_of(p.detach()).clone() for p in model.parameters()]
     scaler.unscale_(opt)
-    ex.close(first.grad, initial_grad * (1 / 2.0), "unscaled gradient")
+    ex.close(local_of(first.grad), initial_grad * (1 / 2.0), "unscaled gradient")
     initial_scale = scaler.get_scale()
     initial_state = copy.copy(opt.state)
     stepped = scaler.step(opt)
@@ -36,7 +37,7 @@ def gradient_scaler(rank: int, world: int, ex: Expect, has_inf: bool) -> None:
     if has_inf:
         ex.true(len(opt.state) == len(initial_state) == 0, "optimizer state changed")
         for p, q in zip(model.parameters(), initial_params):
-            ex.true(torch.equal(p.detach(), q), "a parameter changed in a skipped step")
+            ex.true(torch.equal(local_of(p.detach()), q), "a parameter changed in a skipped step")
     else:
         ex.true(len(opt.state) > 0, "optimizer did not step")
     scaler.update()

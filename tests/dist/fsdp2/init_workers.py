@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from shardwise.engine.fully_shard import units_of
 from tests.dist.fsdp2.common import (
     Expect,
@@ -45,7 +46,7 @@ def shard_tensor_parameters(rank: int, world: int, ex: Expect) -> None:
         for i, (o, p) in enumerate(zip(orig, sharded)):
             chunks = torch.chunk(o, world, dim=0)
             mine = chunks[rank] if rank < len(chunks) else o[:0]
-            ex.close(p.detach(), mine, f"shared={shared}: parameter {i} local shard")
+            ex.close(local_of(p.detach()), mine, f"shared={shared}: parameter {i} local shard")
 
 
 def raise_noncontiguous_parameter(rank: int, world: int, ex: Expect) -> None:
@@ -151,8 +152,8 @@ def meta_device_1d_init(rank: int, world: int, ex: Expect, dim: int, mp: str,
     sw.materialize(model)
     for n, p in model.named_parameters():
         ex.true(not p.is_meta and p.device.type == "cpu", f"{n} on {p.device}")
-        if p.numel():
-            ex.true(bool((p != 0).any()), f"{n} was not initialized (all zeros)")
+        if local_of(p).numel():
+            ex.true(bool((local_of(p) != 0).any()), f"{n} was not initialized (all zeros)")
     for n, b in model.named_buffers():
         ex.true(not b.is_meta and bool((b != 0).any()), f"buffer {n} was not initialized")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -233,7 +234,8 @@ def process_group_init_1d(rank: int, world: int, ex: Expect) -> None:
     ex.close(loss, ref_step(ref, xs, _sum)[me], "loss")
     check_sharded_parity(ex, ref, model, me, size, "subgroup mesh")
     for n, p in model.named_parameters():
-        ex.close(p.detach(), shard_rows(dict(ref.named_parameters())[n].detach(), me, size), n)
+        ex.close(local_of(p.detach()),
+                 shard_rows(dict(ref.named_parameters())[n].detach(), me, size), n)
 
 
 def bf16_nested_units_step(rank: int, world: int, ex: Expect) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, global_batch, randn
 from tests.dist.fsdp2.common import record_collectives as record
 from tests.dist.fsdp2.models import MLP
@@ -150,7 +151,8 @@ def reduce_dtype_after_frozen_first_forward(rank: int, world: int, ex: Expect) -
     dtypes = {rec[3] for rec in log if rec[0] == "reduce_scatter"}
     ex.true(dtypes == {torch.float32}, f"reduce-scatter dtypes {dtypes}")
     for n, p in model.layers.named_parameters():
-        if ex.true(p.grad is not None or p.numel() == 0, f"{n} has no gradient") and p.numel():
+        if ex.true(p.grad is not None or local_of(p).numel() == 0, f"{n} has no gradient") \
+                and local_of(p).numel():
             ex.true(p.grad.dtype == torch.float32, f"{n} grad dtype {p.grad.dtype}")
 
 

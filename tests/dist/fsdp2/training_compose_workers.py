@@ -14,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 import shardwise as sw
+from shardwise.engine.dtensor import local_of
 from tests.dist.fsdp2.common import (
     Expect,
     check_sharded_parity,
@@ -72,7 +73,7 @@ def _chunk_step(ex: Expect, m: nn.Module, toks: torch.Tensor, scale: float, n_ch
         h_grads.append(chunk.grad)
         if snapshots is not None:
             g = m.head.weight.grad
-            snapshots.append(torch.zeros(0) if g is None else g.detach().clone())
+            snapshots.append(torch.zeros(0) if g is None else local_of(g.detach()).clone())
     h.backward(torch.cat(h_grads, dim=1).to(h.dtype))
     return total
 
@@ -187,7 +188,7 @@ def double_forward_nested_checkpoint(rank: int, world: int, ex: Expect,
     loss.backward()
     ex.close(loss, ref_step(ref, xs, dpo)[rank], "loss", rtol=1e-5)
     for n, p in model.named_parameters():
-        ex.true(p.grad is not None or p.numel() == 0, f"grad of {n} is None")
+        ex.true(p.grad is not None or local_of(p).numel() == 0, f"grad of {n} is None")
     check_sharded_parity(ex, ref, model, rank, world, "after the backward", rtol=1e-5)
 
 

@@ -1,0 +1,80 @@
+"""The DTensor face of a shard: what PyTorch's own tools see of a sharded parameter.
+
+[Note: DTensor parameters] A sharded parameter is registered on its module as a DTensor
+(`Shard(0)` on the shard mesh; `(Replicate(), Shard(0))` on a 2-D HYBRID_SHARD mesh) whose
+local tensor *is* the engine's shard view (`ShardedParam.local`, a view into the padded
+chunk): same storage, so the optimizer, `model.state_dict()`, `torch.nn.utils.clip_grad_norm_`
+and `torch.distributed.checkpoint` read and write the shard the all-gather sends. DTensor's
+`Shard(0)` follows `torch.chunk` (ceil-sized chunks, trailing ranks short or empty), which is
+exactly [Note: layout], so no data moves. The engine itself (gather, reduce, checkpoints, grad
+norm) works on the plain local tensors and never dispatches through DTensor.
+
+Kept plain, deliberately (the tensor *is* the whole parameter on every rank, so torch's tools
+already give the unsharded answer on it): parameters of a shard group of one rank (NO_SHARD,
+a one-rank world) and 0-d parameters (a scalar cannot be `Shard(0)`; internally it is one row
+held by shard rank 0, see [Note: layout]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
+
+from . import collectives as C
+
+
+def world_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over the default process group (mesh=None means the whole world)."""
+    return DeviceMesh.from_group(C.world_group(), device_type)
+
+
+def hybrid_mesh(replicate_group: object, shard_group: object, replicate: int, shard: int,
+                device_type: str) -> DeviceMesh:
+    """The 2-D (replicate, shard) mesh over groups made by `collectives.new_groups_2d`."""
+    layout = torch.arange(replicate * shard, dtype=torch.int).view(replicate, shard)
+    return DeviceMesh.from_group([replicate_group, shard_group], device_type,  # type: ignore[list-item]
+                                 mesh=layout, mesh_dim_names=("replicate", "shard"))
+
+
+def placements_for(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def spec_for(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    """The sharding spec of a parameter of global `shape` sharded on dim 0 over `mesh`."""
+    meta = TensorMeta(shape, contiguous_stride(shape), dtype)
+    return DTensorSpec(mesh, placements_for(mesh), tensor_meta=meta)
+
+
+def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor around `local` (no copy, no communication, no autograd edge).
+
+    Built from the spec directly rather than `DTensor.from_local`, whose argument handling
+    costs more than the wrap itself (it runs per parameter per step for gradients).
+    """
+    if local.dtype != spec.tensor_meta.dtype:  # type: ignore[union-attr]
+        meta = TensorMeta(spec.shape, spec.stride, local.dtype)
+        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The plain local tensor of a DTensor; a plain tensor as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+
+
+def is_dtensor(t: object) -> bool:
+    return isinstance(t, DTensor)
