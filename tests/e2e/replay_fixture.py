@@ -22,8 +22,7 @@ def step_events(rank: int, step: int, t: float) -> list[Event]:
 
     def add(unit: str, phase: str, coll: str, nbytes: int, dt: float) -> None:
         nonlocal t
-        evs.append(Event(rank, unit, phase, coll, nbytes, t, t + dt, step, 0.0,
-                         2 if coll else 0))  # a 2-rank run: the group each collective spans
+        evs.append(Event(rank, unit, phase, coll, nbytes, t, t + dt, step))
         t += dt
 
     add("", "forward", "", 0, 0.0001)

@@ -137,7 +137,9 @@ def _save_nan(rank: int, world: int, path: str) -> dict[str, object]:
     opt = torch.optim.AdamW(model.parameters())
     if rank == 1:  # a NaN in one rank's shard only
         with torch.no_grad():
-            next(model.parameters()).view(-1)[0] = math.nan
+            p = next(model.parameters())
+            # The DTensor's local rows are the shard itself.
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = math.nan
     try:
         sw.save_checkpoint(path, model, opt, step=1)
         refused = ""
