@@ -186,8 +186,7 @@ def _not_traced(fn: Any) -> Any:
     replayed stale buffer-pool decisions at step 2. Excluded from tracing, they run between
     the compiled pieces of a module, exactly as in eager mode.
     """
-    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    return torch._dynamo.disable(fn)
 
 
 class _PostBackward(torch.autograd.Function):
