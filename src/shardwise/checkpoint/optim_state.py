@@ -20,7 +20,7 @@ from ..engine.dtensor import wrap
 from ..engine.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
-from .slots import ModelView, Slot, full_slot, rows_of, sharded_slot
+from .slots import ModelView, Slot, full_slot, own_rows, rows_of, sharded_slot, stored_rows
 
 _SKIP_HYPER = ("params", "param_names")  # the membership, stored by FQN instead
 
@@ -161,7 +161,7 @@ def read_state(optimizer: torch.optim.Optimizer, view: ModelView, m: Manifest,
                 st = {name: _scalar(spec) for name, spec in desc["scalars"].items()}
                 for name in desc["tensors"]:
                     if sp is not None:
-                        rows = read(optim_name(fqn, name), sp.row_start, sp.row_end)
+                        rows = own_rows(sp, read(optim_name(fqn, name), *stored_rows(sp)))
                     else:
                         rows = read(optim_name(fqn, name), 0, rows_of(p).shape[0])
                     st[name] = _like_param(rows, sp, p)

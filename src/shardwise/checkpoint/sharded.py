@@ -35,7 +35,7 @@ from .manifest import (
 )
 from .reader import RowReader, check_size, verify_files
 from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
-from .slots import ModelView, Slot, model_view
+from .slots import ModelView, Slot, model_view, own_rows, stored_rows
 from .sync import agree, as_error
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def load_checkpoint(
         for e in view.entries:
             name = model_name(m.aliases.get(e.key, e.key))
             if e.sp is not None:
-                staged.append((e.sp, reader.read(name, e.sp.row_start, e.sp.row_end)))
+                staged.append((e.sp, own_rows(e.sp, reader.read(name, *stored_rows(e.sp)))))
             else:
                 plain.append((e.key, e.tensor, reader.read(name, 0, m.tensors[name].dim0)))
         if optimizer is not None:
@@ -286,7 +286,7 @@ def load_checkpoint(
     with torch.no_grad():
         for sp, rows in staged:
             sp.materialize()
-            sp.local.copy_(rows.view(sp.local.shape))
+            sp.local.copy_(rows.reshape(sp.local.shape))
         units = units_of(model)
         device = units[0].mesh.device if units else torch.device("cpu")
         for key, t, rows in plain:

@@ -55,8 +55,26 @@ def sharded_slot(name: str, sp: ShardedParam, local: torch.Tensor) -> Slot:
     A DTensor (a parameter or its optimizer state) contributes its local tensor.
     """
     rows = local_of(local.detach())
-    return Slot(name, tuple(sp.orig_shape), rows.dtype, sp.row_start, sp.row_end,
-                writes_shards(sp), rows)
+    start, end = stored_rows(sp)
+    if sp.tp is None:
+        return Slot(name, tuple(sp.orig_shape), rows.dtype, start, end, writes_shards(sp), rows)
+    # TP ([Note: FSDP x TP]): stored as global rows; a rowwise weight's columns are joined
+    # across tp (a collective over tp, in the same order on every rank) and TP rank 0 writes.
+    rows = sp.tp.checkpoint_local(rows)
+    return Slot(name, sp.global_shape, rows.dtype, start, end,
+                writes_shards(sp) and sp.tp.writes(), rows)
+
+
+def stored_rows(sp: ShardedParam) -> tuple[int, int]:
+    """The rows of the stored (global) tensor that hold this rank's shard."""
+    if sp.tp is None:
+        return sp.row_start, sp.row_end
+    return sp.tp.checkpoint_rows(sp.row_start, sp.row_end)
+
+
+def own_rows(sp: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's shard from the stored rows `stored_rows(sp)` (TP: its columns of them)."""
+    return rows if sp.tp is None else sp.tp.from_rows(rows)
 
 
 def full_slot(name: str, t: torch.Tensor) -> Slot:
@@ -72,7 +90,7 @@ class ModelEntry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.sp.orig_shape) if self.sp is not None else tuple(self.tensor.shape)
+        return self.sp.global_shape if self.sp is not None else tuple(self.tensor.shape)
 
     def slot(self) -> Slot:
         if self.sp is not None:

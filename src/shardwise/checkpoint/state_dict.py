@@ -30,7 +30,9 @@ def gather_full(sp: ShardedParam) -> torch.Tensor:
         full = torch.empty((sp.shard_size * sp.chunk_rows, *sp.rest), dtype=shard.dtype,
                            device=mesh.device)
         C.all_gather(full.view(-1), shard.reshape(-1), mesh.shard_group, async_op=False)
-    return full[: sp.dim0].reshape(sp.orig_shape)
+    full = full[: sp.dim0].reshape(sp.orig_shape)
+    # Under TP that is the TP-local tensor: join the TP pieces (a collective over tp).
+    return sp.tp.full_tensor(full) if sp.tp is not None else full
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -77,7 +79,7 @@ def _check(model_sd: Mapping[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
         if k not in sd:
             continue
         sp = _sp(t)
-        shape = tuple(sp.orig_shape) if sp else tuple(t.shape)
+        shape = sp.global_shape if sp else tuple(t.shape)
         if tuple(sd[k].shape) != shape:
             return f"{k}: state dict has shape {tuple(sd[k].shape)}, the model has {shape}"
     return None
@@ -124,7 +126,7 @@ def load_full_state_dict(
         if broadcast:
             if not present[i]:
                 continue
-            shape = tuple(sp.orig_shape) if sp else tuple(t.shape)
+            shape = sp.global_shape if sp else tuple(t.shape)
             dtype = sp.orig_dtype if sp else t.dtype
             buf = sd[key].to(device, dtype) if C.rank() == 0 else torch.empty(
                 shape, dtype=dtype, device=device)

@@ -24,6 +24,7 @@ from .policies import (
     resolve_wrap_policy,
 )
 from .sharded_param import ParamRef, ShardedParam
+from .tp import context_for
 from .unit import MeshInfo, ShardedState, Unit
 from .wrap import wrap_targets
 
@@ -142,6 +143,8 @@ def fully_shard(
         raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy, "
                          "torch's CPUOffloadPolicy / OffloadPolicy or None")
     ignored_list = check_params("ignored_params", ignored_params)
+    # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
+    tp_ctx = context_for(module, mesh)
     info = mesh_info_for(mesh)
     ignored = {id(p) for p in ignored_list}
     for p in ignored_list:
@@ -163,11 +166,11 @@ def fully_shard(
             sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
                 t, "_sw_orig_of", None)
             if sp is None:
-                if DT.is_dtensor(t):
+                if DT.is_dtensor(t) and tp_ctx is None:
                     raise ValueError(
                         f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
-                        f"{t.device_mesh}); shardwise shards plain parameters only (tensor "  # type: ignore[attr-defined]
-                        "parallelism composed with fully_shard is not supported yet)")
+                        f"{t.device_mesh}); shardwise shards plain parameters and TP "  # type: ignore[attr-defined]
+                        "DTensors from parallelize_module (see docs/parallelism.md)")
                 new.setdefault(id(t), (t, []))[1].append(ref)
                 continue
             owner: Unit = sp.owner  # type: ignore[attr-defined]
@@ -197,7 +200,7 @@ def fully_shard(
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
         pin = bool(offload_policy and offload_policy.pin_memory)
         sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
-                          pin_memory=pin, device_mesh=info.device_mesh)
+                          pin_memory=pin, device_mesh=info.device_mesh, tp=tp_ctx)
         # Later fully_shard calls on a parent find other references to the original here.
         t._sw_orig_of = sp  # type: ignore[attr-defined]
         if not t.is_meta:

@@ -32,8 +32,14 @@ def clip_grad_norm_(
     sps = sharded_params(model)
     units = units_of(model)
     sharded_ids = {id(p.sharded) for p in sps}
-    # Plain local rows of the DTensor gradients: the reduction is ours, below.
-    shard_grads = [g for g in (p.shard_grad for p in sps) if g is not None]
+    # Plain local rows of the DTensor gradients: the reduction is ours, below. Under TP,
+    # pieces that differ across TP ranks add up across tp as well ([Note: FSDP x TP]);
+    # those replicated across tp (norms, a tied embedding) are counted once.
+    tp_split = [p for p in sps if p.tp is not None and p.tp.tp_sharded]
+    split_ids = {id(p) for p in tp_split}
+    tp_grads = [g for g in (p.shard_grad for p in tp_split) if g is not None]
+    shard_grads = [g for g in (p.shard_grad for p in sps if id(p) not in split_ids)
+                   if g is not None]
     local_grads = [p.grad for p in model.parameters()
                    if id(p) not in sharded_ids and p.grad is not None]
     device = units[0].mesh.device if units else torch.device("cpu")
@@ -45,6 +51,11 @@ def clip_grad_norm_(
         return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
 
     total = partial(shard_grads)
+    if tp_split:
+        tp_part = partial(tp_grads)
+        C.all_reduce(tp_part, tp_split[0].tp.ctx.tp_mesh.get_group(),  # type: ignore[union-attr]
+                     op="max" if norm_type == math.inf else "sum", label="clip_grad_norm_ tp")
+        total = torch.maximum(total, tp_part) if norm_type == math.inf else total + tp_part
     if units and units[0].mesh.shard_size > 1:
         C.all_reduce(total, units[0].mesh.shard_group,
                      op="max" if norm_type == math.inf else "sum", label="clip_grad_norm_")
@@ -57,6 +68,6 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in shard_grads + local_grads:
+        for g in shard_grads + tp_grads + local_grads:
             g.mul_(coef.to(g.device, g.dtype))
     return total

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..observe.events import EventSink, now
 from . import collectives as C
+from .tp import check_params_in_place
 from .traverse import map_tensors, tensors_in
 from .unit import PendingReduce, ShardedState, Unit
 
@@ -235,6 +236,7 @@ def _lazy_init(unit: Unit) -> RootContext:
             f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are still on the meta "
             "device: call sw.materialize(model) or sw.load_full_state_dict(model, sd) before "
             "the first forward")
+    check_params_in_place(units)
     _check_same_layout(units)
     ctx = RootContext(unit, units)
     ctx.prefetch_enabled = getattr(root_mod, "_sw_prefetch", True)
@@ -256,7 +258,7 @@ def _check_same_layout(units: list[Unit]) -> None:
     shapes, another wrap policy) into an error on every rank instead of a hang or garbage.
     """
     desc = ";".join(
-        f"{u.name}:" + ",".join(f"{tuple(p.orig_shape)}{p.orig_dtype}{p.compute_dtype}"
+        f"{u.name}:" + ",".join(f"{p.global_shape}{p.orig_dtype}{p.compute_dtype}"
                                 for p in u.params)
         for u in units
     )

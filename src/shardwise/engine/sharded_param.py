@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
+from .tp import TPContext, TPParam
 
 
 @dataclass
@@ -44,13 +45,20 @@ class ShardedParam:
         host_device: torch.device | None = None,
         pin_memory: bool = False,
         device_mesh: DeviceMesh | None = None,
+        tp: TPContext | None = None,
     ) -> None:
+        # Tensor parallelism ([Note: FSDP x TP], tp.py): the engine shards the TP-local
+        # tensor; `tp` knows the global layout. None: a model without TP.
+        self.tp = TPParam(param, tp) if tp is not None else None
+        requires_grad = param.requires_grad
+        if self.tp is not None:
+            param = self.tp.local_param(param)
         # Every place the module tree refers to this parameter; the first names it.
         self.refs = refs
         self.fqn = refs[0].fqn
         self.orig_shape = param.shape
         self.orig_dtype = param.dtype
-        self.requires_grad = param.requires_grad
+        self.requires_grad = requires_grad
         self.shard_rank = shard_rank
         self.shard_size = shard_size
         # Compute/communication dtype of the unsharded parameter (mixed precision).
@@ -65,6 +73,8 @@ class ShardedParam:
         self.spec = (DT.spec_for(device_mesh, self.orig_shape, self.orig_dtype)
                      if device_mesh is not None and shard_size > 1 and param.dim() > 0
                      else None)
+        if self.tp is not None and param.dim() > 0:
+            self.spec = self.tp.sharded_spec(self.orig_dtype)
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
         self.dim0 = shape2d[0]
@@ -117,6 +127,8 @@ class ShardedParam:
             and self.compute_dtype == self.orig_dtype
             and self.host_device == self.device
             and len(self.orig_shape) > 0
+            # Under TP the module computes with the TP DTensor, not the (dp, tp) shard.
+            and self.tp is None
         )
         if self.direct:
             self._full_padded = padded
@@ -128,8 +140,10 @@ class ShardedParam:
                 device="meta" if meta else self.device,
             )
             self._full_padded = full
+            view = full[: self.dim0].view(self.orig_shape)
             self.unsharded = nn.Parameter(
-                full[: self.dim0].view(self.orig_shape), requires_grad=self.requires_grad
+                view if self.tp is None else self.tp.compute_face(view),
+                requires_grad=self.requires_grad,
             )
             self.unsharded._sw_param = self  # type: ignore[attr-defined]
             self.free_unsharded()
@@ -153,7 +167,7 @@ class ShardedParam:
             if g is None or (h is not None and h[0] is g and g._version == h[1]):
                 return None
             return g
-        g = self.unsharded.grad
+        g = self.unsharded_grad()
         if self.acc_grad is None:
             return g
         if g is not None:
@@ -161,6 +175,18 @@ class ShardedParam:
                 self.acc_grad.add_(g)
             self.unsharded.grad = None
         return self.acc_grad
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded parameter's gradient as a plain tensor (TP: its local part)."""
+        g = self.unsharded.grad
+        if g is None or self.tp is None:
+            return g
+        return self.tp.grad_local(g)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The user's parameter shape (under TP: the global one, not the TP-local one)."""
+        return self.tp.global_shape if self.tp is not None else tuple(self.orig_shape)
 
     def drop_local_grad(self) -> None:
         """The local gradient was packed for reduction: free it (direct: remember it)."""
@@ -252,10 +278,12 @@ class ShardedParam:
 
     def set_full(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of the full tensor `full` into the shard."""
-        if tuple(full.shape) != tuple(self.orig_shape):
+        if tuple(full.shape) != self.global_shape:
             raise ValueError(
-                f"{self.fqn}: got shape {tuple(full.shape)}, expected {tuple(self.orig_shape)}"
+                f"{self.fqn}: got shape {tuple(full.shape)}, expected {self.global_shape}"
             )
+        if self.tp is not None:
+            full = self.tp.local_piece(full)
         self.materialize()
         with torch.no_grad():
             self.local.copy_(self.local_slice(full))

@@ -287,7 +287,7 @@ class Unit:
         for g in self.groups:
             rd = self.reduce_dtype_for[g.dtype]
             for p in g.grad_params:
-                grad = None if p.direct else p.unsharded.grad
+                grad = None if p.direct else p.unsharded_grad()
                 if grad is None or grad.dtype == rd:
                     continue  # accumulates in place already, in the right dtype
                 with torch.no_grad():
