@@ -13,6 +13,14 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -134,12 +142,24 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def train_ref(ref: nn.Module, opt: torch.optim.Optimizer, steps: int, n: int) -> None:
+    """The reference alone, as train_both steps it (global batch of PER_RANK * n)."""
+    for step in range(steps):
+        x, y = batch(step, PER_RANK * n)
+        loss_of(ref, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+
+
 def train_both(model: nn.Module, ref: nn.Module, mesh: DeviceMesh, steps: int, what: str,
-               start: int = 0, opt_state: tuple | None = None) -> dict[str, float]:
+               start: int = 0, opts: tuple | None = None) -> dict[str, float]:
     """`steps` AdamW steps with clipping on both; the worst loss and norm differences."""
-    opt, ref_opt = opt_state or (
-        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4),
-        torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4))
+    opt, ref_opt = opts or (adamw(model), adamw(ref))
     i, n = dp_index(mesh)
     worst = {"loss": 0.0, "norm": 0.0}
     for step in range(start, start + steps):
@@ -197,3 +217,130 @@ def parity(rank: int, world: int, dp: int, tp: int, hybrid: bool = False) -> dic
     worst = train_both(model, ref, mesh, 3, what)
     worst["params"] = compare_params(model, ref, what)
     return worst
+
+
+def expect_error(fn, *needles: str) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        msg = str(e)
+        for n in needles:
+            assert n in msg, f"{n!r} not in {msg!r}"
+        return msg
+    raise AssertionError(f"no error; expected one naming {needles}")
+
+
+def bad_input(rank: int, world: int) -> list[str]:
+    """Each misuse raises a clear error on every rank, before any collective."""
+    mesh = make_mesh(2, 2)
+    msgs = []
+    for bad_mesh, needle in ((None, "mesh=None has no dp dimension"),
+                             (mesh["tp"], "is not a dp dimension")):
+        model = build()
+        parallelize_module(model.blocks[0], mesh["tp"], PLAN)
+        msgs.append(expect_error(lambda: sw.fully_shard(model.blocks[0], mesh=bad_mesh),
+                                 needle, "mesh['dp']"))
+    # shard_model with a TP model and no mesh: the same error.
+    model = build()
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], PLAN)
+    msgs.append(expect_error(lambda: sw.shard_model(model), "has no dp dimension"))
+    # TP applied after fully_shard: refused at the first forward, before its collectives.
+    model = build()
+    for b in model.blocks:
+        sw.fully_shard(b, mesh=mesh["dp"])
+    sw.fully_shard(model, mesh=mesh["dp"])
+    # With dp > 1 the shards are DTensors on the dp mesh and torch's distribute_tensor
+    # refuses to move them to the TP mesh (a local check, before any collective).
+    msgs.append(expect_error(lambda: parallelize_module(model.blocks[0], mesh["tp"], PLAN),
+                             "Cannot distribute a DTensor"))
+    return msgs
+
+
+def tp_after_shard_dp1(rank: int, world: int) -> str:
+    """dp 1 x tp 2: parallelize_module after fully_shard goes through; forward refuses."""
+    mesh = make_mesh(1, 2)
+    model = build()
+    for b in model.blocks:
+        sw.fully_shard(b, mesh=mesh["dp"])
+    sw.fully_shard(model, mesh=mesh["dp"])
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], PLAN)
+    x, _ = batch(0, 2)
+    return expect_error(lambda: model(x), "replaced after fully_shard",
+                        "parallelize_module) before fully_shard")
+
+
+# --- checkpoints: save at dp 2 x tp 2, load at other (dp, tp) -------------------------------
+
+SAVE_STEPS = 2
+
+
+def ckpt_save(rank: int, world: int, path: str) -> None:
+    """Train 2 steps at dp 2 x tp 2; save shardwise's checkpoint, DCP, and safetensors."""
+    mesh = make_mesh(2, 2)
+    model = build()
+    ref = copy.deepcopy(model)
+    parallelize(model, mesh)
+    opts = (adamw(model), adamw(ref))
+    train_both(model, ref, mesh, SAVE_STEPS, "before save", opts=opts)
+    sw.save_checkpoint(f"{path}/sw", model, opts[0], step=SAVE_STEPS)
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": get_optimizer_state_dict(model, opts[0])}, checkpoint_id=f"{path}/dcp")
+    sw.export_safetensors(f"{path}/export", model)
+    if rank == 0:
+        got = load_file(f"{path}/export/model.safetensors")
+        want = ref.state_dict()
+        assert set(got) == set(want) - {"head.weight"}, sorted(got)  # tied: stored once
+        for k, v in got.items():
+            d = (v - want[k]).abs().max().item()
+            assert tuple(v.shape) == tuple(want[k].shape) and d <= TOL, (k, d)
+
+
+def ckpt_load(rank: int, world: int, dp: int, tp: int, path: str) -> dict:
+    """Both formats, in one process group (start-up is the slow part of these tests)."""
+    return {kind: ckpt_load_one(dp, tp, path, kind) for kind in ("sw", "dcp")}
+
+
+def ckpt_load_one(dp: int, tp: int, path: str, kind: str) -> dict:
+    """Load what ckpt_save wrote at another (dp, tp); parity, then one more step each."""
+    ref = build()
+    ref_opt = adamw(ref)
+    train_ref(ref, ref_opt, SAVE_STEPS, 2)  # saved at dp 2: the global batch had 2 slices
+    mesh = make_mesh(dp, tp)
+    model = parallelize(build(seed=5), mesh)  # other weights: all must come from the load
+    opt = adamw(model)
+    if kind == "sw":
+        sw.load_checkpoint(f"{path}/sw", model, opt)
+    else:
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=f"{path}/dcp")
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+    what = f"{kind} load at dp {dp} x tp {tp}"
+    loaded = compare_params(model, ref, what)
+    # The same global batch as before: PER_RANK * 2 samples, split over this dp size.
+    worst = resume_step(model, ref, (opt, ref_opt), mesh, what)
+    return {"loaded": loaded, **worst}
+
+
+def resume_step(model: nn.Module, ref: nn.Module, opts: tuple, mesh: DeviceMesh,
+                what: str) -> dict[str, float]:
+    opt, ref_opt = opts
+    i, n = dp_index(mesh)
+    per = PER_RANK * 2 // n
+    x, y = batch(SAVE_STEPS, PER_RANK * 2)
+    out = loss_of(model, x[i * per:(i + 1) * per], y[i * per:(i + 1) * per])
+    out.backward()
+    ref_out = loss_of(ref, x, y)
+    ref_out.backward()
+    got = out.detach().double().reshape(1)
+    C.all_reduce(got, None)
+    d_loss = abs(got.item() / C.world_size() - ref_out.item())
+    assert d_loss <= TOL, f"{what}: loss after resume differs by {d_loss}"
+    sw.clip_grad_norm_(model, 0.5)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    opt.step()
+    ref_opt.step()
+    return {"loss": d_loss, "params": compare_params(model, ref, what + " after a step")}

@@ -144,8 +144,8 @@ def check_params_in_place(units: Iterable[object]) -> None:
                 if isinstance(held, DTensor) and getattr(held, "_sw_param", None) is None:
                     raise ValueError(
                         f"{ref.fqn} was replaced after fully_shard by a DTensor "
-                        f"({held.placements} on {held.device_mesh}): apply tensor parallelism (parallelize_module) before fully_shard, "
-                        "and load weights with sw.load_full_state_dict or load_state_dict")
+                        f"({held.placements} on {held.device_mesh}): apply tensor "
+                        "parallelism (parallelize_module) before fully_shard")
 
 
 class TPParam:
