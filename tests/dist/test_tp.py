@@ -22,6 +22,12 @@ def test_parity(dp: int, tp: int, hybrid: bool) -> None:
         assert max(worst.values()) <= W.TOL, worst
 
 
+def test_gpt_plan_through_shard_model() -> None:
+    """The trainer's GPT with its Megatron plan (tensor_parallel.py), via sw.shard_model."""
+    worst = run_distributed(W.gpt_parity, 4, 2, 2)[0]
+    assert max(worst.values()) <= W.TOL, worst
+
+
 def test_bad_input() -> None:
     msgs = run_distributed(W.bad_input, 4)[0]
     assert len(msgs) == 4, msgs

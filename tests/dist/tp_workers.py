@@ -344,3 +344,41 @@ def resume_step(model: nn.Module, ref: nn.Module, opts: tuple, mesh: DeviceMesh,
     opt.step()
     ref_opt.step()
     return {"loss": d_loss, "params": compare_params(model, ref, what + " after a step")}
+
+
+# --- the trainer's GPT with its TP plan, through sw.shard_model ------------------------------
+
+
+def gpt_parity(rank: int, world: int, dp: int, tp: int) -> dict[str, float]:
+    from shardwise.train.model import GPT, GPTConfig
+    from shardwise.train.tensor_parallel import parallelize_gpt
+
+    mesh = make_mesh(dp, tp)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, d_model=16)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    parallelize_gpt(model, mesh["tp"])
+    sw.shard_model(model, mesh=mesh["dp"])
+    opts = (adamw(model), adamw(ref))
+    i, n = dp_index(mesh)
+    worst = {"loss": 0.0}
+    for step in range(3):
+        x, y = batch(step, PER_RANK * n)
+        mine = slice(i * PER_RANK, (i + 1) * PER_RANK)
+        out = model(x[mine], y[mine])
+        out.backward()
+        ref_out = ref(x, y)
+        ref_out.backward()
+        got = out.detach().double().reshape(1)
+        C.all_reduce(got, None)
+        d = abs(got.item() / C.world_size() - ref_out.item())
+        worst["loss"] = max(worst["loss"], d)
+        assert d <= TOL, f"GPT dp {dp} x tp {tp} step {step}: loss differs by {d}"
+        sw.clip_grad_norm_(model, 0.5)
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5) > 0.5
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    worst["params"] = compare_params(model, ref, f"GPT dp {dp} x tp {tp}")
+    return worst

@@ -21,6 +21,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .tensor_parallel import local, tp_enter, tp_exit
 
 INIT_STD = 0.02  # GPT-2's initializer range
 
@@ -137,6 +140,8 @@ class Attention(nn.Module):
         # Residual-branch outputs are scaled down by sqrt(2 * n_layer) (GPT-2): each block
         # adds two branches to the stream, and the stream's variance should not grow with depth.
         self.out_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
+        # The TP mesh when tensor_parallel.parallelize_gpt split the weights (else None).
+        self.tp_mesh: DeviceMesh | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -145,11 +150,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = F.linear(x, self.w_qkv)  # (B, T, 3C)
-        q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        # Under tensor parallelism (tensor_parallel.py) this rank holds n_head / tp heads.
+        x = tp_enter(x, self.tp_mesh)
+        qkv = F.linear(x, local(self.w_qkv))  # (B, T, 3C / tp)
+        # Head-major rows (n_head, 3, hs): a dim-0 slice of w_qkv is whole heads.
+        q, k, v = qkv.view(B, T, -1, 3, C // self.n_head).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return F.linear(y, self.w_out)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return tp_exit(F.linear(y, local(self.w_out)), self.tp_mesh)
 
 
 class MLP(nn.Module):
@@ -158,6 +166,7 @@ class MLP(nn.Module):
         self.w_in = nn.Parameter(torch.empty(cfg.ffn_dim, cfg.d_model))
         self.w_out = nn.Parameter(torch.empty(cfg.d_model, cfg.ffn_dim))
         self.out_std = INIT_STD / math.sqrt(2 * cfg.n_layer)  # as in Attention
+        self.tp_mesh: DeviceMesh | None = None  # as in Attention
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -165,7 +174,9 @@ class MLP(nn.Module):
         _normal(self.w_out, self.out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.gelu(F.linear(x, self.w_in), approximate="tanh"), self.w_out)
+        x = tp_enter(x, self.tp_mesh)
+        h = F.gelu(F.linear(x, local(self.w_in)), approximate="tanh")  # (B, T, ffn / tp)
+        return tp_exit(F.linear(h, local(self.w_out)), self.tp_mesh)
 
 
 class Block(nn.Module):
