@@ -59,8 +59,9 @@ def check_tp(tp: int, n_head: int, d_model: int, ffn_dim: int) -> None:
 
 def check_world(tp: int, world: int) -> None:
     if tp < 1 or world % tp:
+        allowed = [k for k in range(1, world + 1) if world % k == 0]
         raise ValueError(f"parallel.tp={tp} must divide the world size {world} (ranks are "
-                         f"dp x tp); allowed here: {[k for k in range(1, world + 1) if world % k == 0]}")
+                         f"dp x tp); allowed here: {allowed}")
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int) -> None:
