@@ -73,10 +73,12 @@ def schedule_note(cfg: C.Config) -> str | None:
 def precheck(cfg: C.Config, nproc: int) -> None:
     """What can fail on every rank alike, checked before any process starts."""
     from ..train import data as D
+    from ..train.tensor_parallel import check_world
 
     d, t = cfg.data, cfg.train
+    check_world(cfg.parallel.tp, nproc)
     D.check_size(d.path or None, d.max_bytes, d.seed, d.val_fraction,
-                 cfg.model.gpt().block_size, t.batch_size, nproc)
+                 cfg.model.gpt().block_size, t.batch_size, nproc // cfg.parallel.tp)
 
 
 def worker(cfg: C.Config) -> dict[str, Any]:

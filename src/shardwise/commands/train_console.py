@@ -55,11 +55,13 @@ class ConsoleReporter:
         cfg: C.Config = info["config"]
         g = cfg.model.gpt()
         s = cfg.shard
+        tp, world = cfg.parallel.tp, info["world"]
+        two_d = f", tp={tp} (dp={world // tp})" if tp > 1 else ""
         print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M params, "
               f"{g.n_layer} layers, d={g.d_model}, context {g.block_size}) on {info['world']} "
               f"ranks ({info['device']}, {info['threads']} threads/rank)")
         print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
-              f", cpu_offload={s.cpu_offload}; each rank holds {info['local_params']:,} of "
+              f", cpu_offload={s.cpu_offload}{two_d}; each rank holds {info['local_params']:,} of "
               f"{info['params']:,} parameters")
         if "precision_plan" in info:
             print(f"  {info['precision_plan']}")

@@ -196,6 +196,22 @@ class ShardSection:
 
 
 @dataclass
+class ParallelSection:
+    """Parallelism beyond data parallel (see docs/parallelism.md).
+
+    tp: tensor-parallel degree: each block's attention heads and MLP hidden units are split
+        over tp ranks (Megatron's plan) and FSDP shards over the remaining world / tp ranks;
+        the ranks of one TP group train on the same batch. 1: FSDP alone.
+    """
+
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        _typed("parallel", self)
+        _positive("parallel", self, "tp")
+
+
+@dataclass
 class CheckpointSection:
     """Sharded checkpoints in the run folder.
 
@@ -270,6 +286,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     shard: ShardSection = field(default_factory=ShardSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
 
@@ -284,8 +301,20 @@ class Config:
         _check(bool(self.out_dir) and (out.is_dir() or not out.exists()),
                f"out_dir={self.out_dir!r} is not allowed: must be a folder (or a path where "
                "one can be made), not empty and not a file")
+        tp = self.parallel.tp
+        if tp > 1:
+            from .tensor_parallel import check_tp
+
+            g = self.model.gpt()
+            check_tp(tp, g.n_head, g.d_model, g.ffn_dim)
+            _check(self.shard.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"),
+                   f"parallel.tp={tp} composes with shard.sharding_strategy FULL_SHARD or "
+                   f"SHARD_GRAD_OP, not {self.shard.sharding_strategy} (HSDP x TP and "
+                   "DDP x TP are library-only: docs/parallelism.md)")
+            _check(not self.shard.cpu_offload,
+                   f"parallel.tp={tp} with shard.cpu_offload=true is not supported")
         _check(self.model.gpt().vocab_size >= 256,
                f"model.preset={self.model.preset!r} has vocab_size < 256; byte text needs 256")
 
 
-SECTIONS = ("model", "data", "train", "shard", "checkpoint", "log")
+SECTIONS = ("model", "data", "train", "shard", "parallel", "checkpoint", "log")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
 
@@ -40,6 +41,7 @@ from .metrics import (
     peak_memory_mb,
 )
 from .model import GPT
+from .tensor_parallel import check_world, parallelize_gpt
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +106,19 @@ def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> tuple[Path,
     return Path(answer["dir"]), bool(answer["resume"])
 
 
-def build_model(cfg: Config) -> GPT:
+def build_model(cfg: Config, mesh: DeviceMesh | None = None) -> GPT:
     """The GPT built on the meta device, sharded with the config's knobs, then materialized:
-    each rank allocates and initializes only its own shards."""
+    each rank allocates and initializes only its own shards.
+
+    With a (dp, tp) `mesh` the model is built whole on every rank (same seed, same
+    weights), split by the TP plan, then sharded over dp: materialize's per-shard streams
+    would give the TP ranks' different heads identical initial values.
+    """
     torch.manual_seed(cfg.train.seed)
-    with torch.device("meta"):
+    with torch.device("meta" if mesh is None else "cpu"):
         model = GPT(cfg.model.gpt())
+    if mesh is not None:
+        parallelize_gpt(model.to(mesh.device_type), mesh["tp"])
     s = cfg.shard
     sw.shard_model(
         model,
@@ -117,9 +126,20 @@ def build_model(cfg: Config) -> GPT:
         auto_wrap_policy=None if s.auto_wrap_policy == "none" else s.auto_wrap_policy,
         mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
         cpu_offload=s.cpu_offload,
+        mesh=None if mesh is None else mesh["dp"],
     )
-    sw.materialize(model, seed=cfg.train.seed)
+    if mesh is None:
+        sw.materialize(model, seed=cfg.train.seed)
     return model
+
+
+def tp_mesh(cfg: Config, world: int, device: torch.device) -> DeviceMesh | None:
+    """The (dp, tp) mesh for --parallel.tp > 1 (None: FSDP alone); checked before creating it."""
+    tp = cfg.parallel.tp
+    if tp == 1:
+        return None
+    check_world(tp, world)
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer:
@@ -144,7 +164,8 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
     """Mean loss over the fixed validation batches of every rank."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     seq = model.cfg.block_size
-    for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank, world,
+    tp = cfg.parallel.tp  # a TP group shares its batches; the sum counts each tp times
+    for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
                               cfg.train.eval_batches, device):
         total += model(x, y).double()
     Cm.all_reduce(total, None, label="validation loss")
@@ -258,13 +279,19 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
     # exists that would block running the same --name again.
     text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
     parts = D.split(text, cfg.data.val_fraction, seq)
-    stream = D.BatchStream(parts.train, seq, t.batch_size, rank, world, cfg.data.seed, device)
+    # Ranks of one TP group (consecutive ranks: the mesh is (dp, tp)) read the same batch.
+    tp = cfg.parallel.tp
+    if tp > 1:
+        check_world(tp, world)
+    dp_rank, dp_world = rank // tp, world // tp
+    stream = D.BatchStream(parts.train, seq, t.batch_size, dp_rank, dp_world, cfg.data.seed,
+                           device)
 
     run_dir, resuming = _shared_run_dir(cfg, rank, device)
     cfg = dataclasses.replace(cfg, name=run_dir.name, resume=resuming)
     rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
 
-    model = build_model(cfg)
+    model = build_model(cfg, tp_mesh(cfg, world, device))
     opt = _optimizer(model, t)
     # fp16's narrow range needs loss scaling; bf16 and fp32 do not (the scaler is a no-op).
     scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
@@ -278,7 +305,7 @@ def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
 
     n_params = gcfg.num_params()
     local_params = sum(local_of(p).numel() for p in model.parameters())
-    tokens_per_step = t.batch_size * seq * t.grad_accum * world
+    tokens_per_step = t.batch_size * seq * t.grad_accum * dp_world
     rep.start({"run_dir": str(run_dir), "world": world, "device": str(device),
                "params": n_params, "local_params": local_params, "start_step": start,
                "steps": t.steps, "tokens_per_step": tokens_per_step, "config": cfg,
