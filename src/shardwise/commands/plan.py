@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help=f"{', '.join(DEVICES)} or cpu")
     ap.add_argument("--interconnect", help=f"between nodes: {', '.join(INTERCONNECTS)}")
     ap.add_argument("--ranks-per-node", type=int, help="default: the device's (8)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree: Megatron plan per block, FSDP over "
+                         "world-size / tp ranks (default 1: FSDP alone)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: split the residual stream by sequence across the TP "
+                         "group (reduce-scatter + all-gather instead of all-reduce)")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int,
                     help="tokens per sequence (default: the model's context length, with batch "
@@ -50,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     shape = ap.add_argument_group("shape of a bare count (else guessed)")
     for flag in ("layers", "hidden", "heads", "vocab"):
         shape.add_argument(f"--{flag}", type=int)
+    shape.add_argument("--ffn", type=int, help="MLP hidden width (default 4 x --hidden)")
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this machine (gloo, local ranks) and predict a local run")
     ap.add_argument("--nproc", type=int, default=2, help="ranks for --calibrate (default 2)")
@@ -76,7 +83,8 @@ def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str
             raise ValueError(f"a shape needs --layers, --hidden and --heads; missing {missing}")
         shape = {"n_layers": given["layers"], "d_model": given["hidden"],
                  "n_heads": given["heads"],
-                 "vocab_size": 32000 if given["vocab"] is None else given["vocab"]}
+                 "vocab_size": 32000 if given["vocab"] is None else given["vocab"],
+                 "ffn_dim": args.ffn or 0}
     return args.params, shape, f"{R.count(args.params)} parameters"
 
 
@@ -94,7 +102,8 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
                           seq_len=args.seq_len,
                           activation_checkpointing=args.activation_checkpointing,
                           device=device, interconnect=interconnect, shape=shape,
-                          ranks_per_node=args.ranks_per_node)
+                          ranks_per_node=args.ranks_per_node, tensor_parallel=args.tp,
+                          sequence_parallel=args.sequence_parallel)
         except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
             if s == args.strategy:
                 raise
@@ -167,7 +176,7 @@ def main(argv: list[str]) -> int:
     finite(ap, "params", args.params, 1.0)
     # 0 must not quietly mean "the default": only an absent option does.
     for flag in ("world_size", "ranks_per_node", "batch_size", "seq_len", "nproc", "layers",
-                 "hidden", "heads", "vocab"):
+                 "hidden", "heads", "vocab", "tp", "ffn"):
         at_least(ap, flag.replace("_", "-"), getattr(args, flag), 1)
     device: object = args.device
     interconnect: object = args.interconnect

@@ -24,6 +24,7 @@ from ..engine.policies import (
     WrapPolicyLike,
 )
 from . import timing as T
+from . import tp as TP
 from .estimate import TimeEstimate, link_profiles, step_time
 from .memory import model_states, parse_optimizer, unit_cost
 from .profiles import (
@@ -98,6 +99,11 @@ class Plan:
     # activations left out.
     verdict: str | None = None
     alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what would
+    # Tensor-parallel degree (FSDP shards over world_size / tensor_parallel ranks) and the
+    # TP group's activation all-reduces (planner/tp.py); None without TP.
+    tensor_parallel: int = 1
+    tp_comm: TP.TPComm | None = None
+    sequence_parallel: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain ints, floats, strings, lists and dicts."""
@@ -139,7 +145,7 @@ def _activations(shape: TransformerShape | None, tokens: int | None, act_bytes: 
     grads = shape.block_backward_transient_bytes(act_bytes) * tokens
     if checkpointing:
         # Only each block's input survives forward; backward recomputes one block at a time.
-        layer, layer_backward = shape.d_model * act_bytes * tokens, full + grads
+        layer, layer_backward = shape.block_input_bytes(act_bytes) * tokens, full + grads
     else:
         layer, layer_backward = full, grads
     return StepActivations(layer, layer_backward, shape.root_activation_bytes(act_bytes) * tokens,
@@ -163,6 +169,8 @@ def plan(
     shape: TransformerShape | dict | None = None,
     ranks_per_node: int | None = None,
     rank: int = 0,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Plan one training step of `model_or_param_count` on `world_size` ranks.
 
@@ -175,6 +183,10 @@ def plan(
     shape: the transformer's dimensions when the model does not carry them.
     ranks_per_node: defaults to the device's (8) or, without a device, the whole world.
     rank: the rank to plan (0 holds the most).
+    tensor_parallel: TP degree t (Megatron plan on each block; FSDP over world_size / t
+      ranks; planner/tp.py). TP groups are placed inside a node when t <= ranks_per_node.
+    sequence_parallel: with TP, the residual stream (norms, block inputs) split by sequence
+      across the TP group; all-gather + reduce-scatter replace each all-reduce.
 
     A model with a context length (a GPT preset, a Hugging Face config) is planned for
     batch 1 at that length unless told otherwise (a note says so); without a sequence
@@ -186,7 +198,8 @@ def plan(
                 optimizer=optimizer, cpu_offload=cpu_offload, batch_size=batch_size,
                 seq_len=seq_len, activation_checkpointing=activation_checkpointing,
                 device=device, interconnect=interconnect, shape=shape,
-                ranks_per_node=ranks_per_node, rank=rank)
+                ranks_per_node=ranks_per_node, rank=rank, tensor_parallel=tensor_parallel,
+                sequence_parallel=sequence_parallel)
     p = _plan_one(model_or_param_count, **args)
     if p.fits is False:
         p = dataclasses.replace(p, alternatives=_alternatives(model_or_param_count, args, p))
@@ -247,8 +260,13 @@ def _plan_one(
     shape: TransformerShape | dict | None,
     ranks_per_node: int | None,
     rank: int,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> Plan:
     check_int("world_size", world_size, minimum=1)
+    check_bool("sequence_parallel", sequence_parallel)
+    tp = tensor_parallel
+    TP.check_tp(tp, world_size, None)
     check_bool("activation_checkpointing", activation_checkpointing)
     if ranks_per_node is not None:
         check_int("ranks_per_node", ranks_per_node, minimum=1)
@@ -274,12 +292,19 @@ def _plan_one(
     else:
         raise ValueError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module "
                          "(ideally on the meta device) or a positive parameter count")
+    # TP: plan one rank of the dp group with 1/tp of each block ([planner/tp.py]).
+    full_world, total_params = world_size, mu.numel
+    if tp > 1:
+        TP.check_tp(tp, world_size, mu.shape)
+        mu = TP.split_units(mu, tp, sequence_parallel)
+        world_size, rank = world_size // tp, rank // tp
 
     # A CPU "device" is this host: every rank on it, unless told otherwise.
-    per_node = ranks_per_node or (min(dev.ranks_per_node, world_size)
-                                  if dev and not dev.is_cpu else world_size)
+    per_node = ranks_per_node or (min(dev.ranks_per_node, full_world)
+                                  if dev and not dev.is_cpu else full_world)
     if not isinstance(per_node, int) or per_node < 1:
         raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    phys_per_node, per_node = per_node, max(1, per_node // tp)  # dp ranks per node
     S, R = _layout(strategy, world_size, per_node)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
@@ -373,15 +398,26 @@ def _plan_one(
     elif interconnect is not None:
         link_names = interconnect if isinstance(interconnect, str) else interconnect.name
 
+    comm = T.comm_volume(colls)
+    tpc = None
+    if tp > 1 and mu.shape is not None:
+        tpc = TP.tp_comm(mu.shape, tp, world_size, batch_size, seq_len, act_bytes,
+                         activation_checkpointing, sequence_parallel, phys_per_node,
+                         links.intra if links else None, links.inter if links else None)
+        comm = TP.with_tp_comm(comm, tpc)
+        if time is not None:
+            time = TP.with_tp_time(time, tpc, dev, act_dtype)  # type: ignore[arg-type]
+        notes.append(TP.describe(tpc))
     return Plan(
-        params=mu.numel, world_size=world_size, sharding_strategy=strategy.value,
+        params=total_params, world_size=full_world, sharding_strategy=strategy.value,
         shard_size=S, replicate_size=R, ranks_per_node=per_node, mixed_precision=_mp_name(mp),
         optimizer=opt, cpu_offload=offload, batch_size=batch_size, seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         device=dev.name if dev else None, interconnect=link_names, units=len(mu.units),
         shape=mu.shape.to_dict() if mu.shape else None, per_rank=per_rank,
-        comm=T.comm_volume(colls), time=time, usable_bytes=usable, fits=fits,
+        comm=comm, time=time, usable_bytes=usable, fits=fits,
         max_batch_size=max_batch, notes=tuple(notes), verdict=verdict,
+        tensor_parallel=tp, tp_comm=tpc, sequence_parallel=sequence_parallel and tp > 1,
     )
 
 

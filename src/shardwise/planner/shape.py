@@ -105,6 +105,10 @@ class TransformerShape:
         lse = self.n_heads * FP32  # attention's log-sum-exp per head, always fp32
         return elems * act_bytes + stats + lse
 
+    def block_input_bytes(self, act_bytes: int) -> int:
+        """Per token: what activation checkpointing keeps of a block (its input)."""
+        return self.d_model * act_bytes
+
     def block_backward_transient_bytes(self, act_bytes: int) -> int:
         """Extra bytes per token while one block runs backward: the gradients in flight.
 
