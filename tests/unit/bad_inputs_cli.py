@@ -72,6 +72,13 @@ TRAIN_CASES = [
     train("shard.mixed_precision", "int8", "shard.mixed_precision='int8' is not one of: fp32, "
           "bf16, fp16"),
     train("shard.cpu_offload", "maybe", "shard.cpu_offload='maybe' is not a valid bool"),
+    train("parallel.tp", "0", "parallel.tp=0 must be > 0"),
+    train("parallel.tp", "3", "parallel.tp=3 must divide model.n_head=4"),
+    cli("train --parallel.tp 2 --shard.sharding_strategy HYBRID_SHARD", "HYBRID_SHARD",
+        "parallel.tp=2 composes with shard.sharding_strategy FULL_SHARD or SHARD_GRAD_OP",
+        knob="shardwise train --parallel.tp (strategy)"),
+    cli("train --nproc 3 --parallel.tp 2", "3 ranks", "parallel.tp=2 must divide the world "
+        "size 3", knob="shardwise train --parallel.tp (world size)"),
     train("checkpoint.interval", "-1", "checkpoint.interval=-1 must be >= 0"),
     train("checkpoint.keep", "0", "checkpoint.keep=0 must be > 0"),
     train("log.event_steps", "-2", "log.event_steps=-2 must be >= -1"),
@@ -121,6 +128,13 @@ PLAN_CASES = [
     cli("plan --params 1e9 --vocab 0", "0", "--vocab=0"),
     cli("plan --params 1e9 --layers 2", "(no --hidden/--heads)", "a shape needs --layers, "
         "--hidden and --heads", knob="shardwise plan --layers (alone)"),
+    cli("plan --params 1e9 --tp 0", "0", "--tp=0"),
+    cli("plan --params 1e9 --world-size 8 --tp 3", "3", "tensor_parallel=3 must divide "
+        "world_size=8"),
+    cli("plan --params 1e9 --layers 2 --hidden 64 --heads 2 --tp 4", "4", "tensor_parallel=4 "
+        "must divide the model's n_heads=2", knob="shardwise plan --tp (heads)"),
+    cli("plan --params 1e9 --sequence-parallel=yes", "yes", IGNORED),
+    cli("plan --params 1e9 --ffn 0", "0", "--ffn=0"),
     cli("plan --params 1e9 --calibrate=yes", "yes", IGNORED),
     cli("plan --calibrate --nproc 0", "0", "--nproc=0"),
     cli("plan --params 1e9 --json=yes", "yes", IGNORED),

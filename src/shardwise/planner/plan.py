@@ -410,7 +410,7 @@ def _plan_one(
         notes.append(TP.describe(tpc))
     return Plan(
         params=total_params, world_size=full_world, sharding_strategy=strategy.value,
-        shard_size=S, replicate_size=R, ranks_per_node=per_node, mixed_precision=_mp_name(mp),
+        shard_size=S, replicate_size=R, ranks_per_node=phys_per_node, mixed_precision=_mp_name(mp),
         optimizer=opt, cpu_offload=offload, batch_size=batch_size, seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         device=dev.name if dev else None, interconnect=link_names, units=len(mu.units),
