@@ -3,9 +3,10 @@
 [Note: FSDP x TP] The recipe is torchtitan's: `parallelize_module(block, mesh["tp"], plan)`
 first, then `fully_shard(block, mesh=mesh["dp"])` per block and on the root. A parameter
 that `parallelize_module` made a DTensor on the TP mesh holds, on this rank, its *TP-local*
-tensor (a column block of a colwise weight, a row block of... see the plan). shardwise
-shards that local tensor on dim 0 across the dp mesh exactly as it shards a plain parameter
-([Note: layout]), so the engine's gather, reduce and padding code is unchanged:
+tensor (a colwise weight: a block of its rows, the output features; a rowwise weight: a
+block of its columns). shardwise shards that local tensor on dim 0 across the dp mesh
+exactly as it shards a plain parameter ([Note: layout]), so the engine's gather, reduce
+and padding code is unchanged:
 
 - all-gather across dp rebuilds the TP-local tensor; the module sees it wrapped as the
   original TP DTensor (same spec), so the TP plan's forward (DTensor weights, redistributed
@@ -23,8 +24,9 @@ the plan leaves them alone) are replicated across tp; in a TP model they still g
 face on the (dp, tp) mesh, `(Shard(0), Replicate())`, so every parameter lives on one mesh
 and PyTorch's `clip_grad_norm_`, optimizers and DCP see one consistent layout.
 
-Sequence parallelism would make a norm's gradient a TP Partial sum; it is reduced to the
-TP placement here too (the same code path), though the tests cover the Megatron plan.
+Sequence parallelism makes a norm weight a Replicate DTensor whose gradient is a TP Partial
+sum; `grad_local` reduces it to the TP placement, but only the Megatron plan (no sequence
+parallelism) is tested.
 """
 
 from __future__ import annotations
@@ -40,13 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
+from .dtensor import contiguous_stride
 
 
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -186,7 +182,7 @@ class TPParam:
         """The sharded parameter's spec on the (dp, tp) mesh, global shape."""
         tp_pl = self.tp_spec.placements if self.tp_spec is not None else (Replicate(),)
         placements = (*self.ctx.dp_placements(self.shard_dim == 0), *tp_pl)
-        meta = TensorMeta(torch.Size(self.global_shape), _contiguous_stride(self.global_shape),
+        meta = TensorMeta(torch.Size(self.global_shape), contiguous_stride(self.global_shape),
                           dtype)
         return DTensorSpec(self.ctx.spmd_mesh, placements, tensor_meta=meta)
 
@@ -252,7 +248,7 @@ class TPParam:
         assert spec is not None
         d = DTensor.from_local(rows.contiguous(), self.ctx.tp_mesh, spec.placements,
                                run_check=False, shape=torch.Size(shape),
-                               stride=_contiguous_stride(tuple(shape)))
+                               stride=contiguous_stride(tuple(shape)))
         return d.full_tensor()
 
     def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
