@@ -32,6 +32,7 @@ def test_bad_input() -> None:
     msgs = run_distributed(W.bad_input, 4)[0]
     assert len(msgs) == 4, msgs
     run_distributed(W.tp_after_shard_dp1, 2)
+    run_distributed(W.materialize_refused, 2)
 
 
 def test_checkpoint_reshard_both_dims(tmp_path: Path) -> None:

@@ -382,3 +382,13 @@ def gpt_parity(rank: int, world: int, dp: int, tp: int) -> dict[str, float]:
             o.zero_grad()
     worst["params"] = compare_params(model, ref, f"GPT dp {dp} x tp {tp}")
     return worst
+
+
+def materialize_refused(rank: int, world: int) -> str:
+    """Meta-device init of a TP model is refused before materialize's first collective."""
+    mesh = make_mesh(1, 2)
+    with torch.device("meta"):
+        model = build()
+    parallelize(model, mesh)
+    return expect_error(lambda: sw.materialize(model), "tensor-parallel parameters",
+                        "load_full_state_dict")

@@ -42,6 +42,13 @@ def materialize(
     if not units:
         raise ValueError(f"materialize needs a sharded model; {type(model).__name__} has none")
     device = units[0].mesh.device
+    tp_split = [sp.fqn for sp in sharded_params(model) if sp.tp is not None and sp.tp.tp_sharded]
+    if tp_split:
+        # Streams are per shard rank: the TP ranks' different pieces would start identical.
+        raise ValueError(
+            f"materialize does not support tensor-parallel parameters ({tp_split[0]}, ...): "
+            "build the model on a real device before parallelize_module, or load its "
+            "weights with sw.load_full_state_dict / sw.load_checkpoint")
     for sp in sharded_params(model):
         sp.materialize()
     fresh: dict[str, tuple[nn.Module, str]] = {}
