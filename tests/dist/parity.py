@@ -29,7 +29,7 @@ def params_and_grads_match(
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full gradients of a sharded model, gathered (test-only, through all_gather)."""
     from shardwise.engine import collectives as C
-    from shardwise.engine.fully_shard import named_sharded_params
+    from shardwise.engine.inspect import named_sharded_params
 
     out = {}
     for fqn, sp in named_sharded_params(model):
@@ -118,7 +118,7 @@ def changing_order(rank: int, world: int, strategy: str) -> float:
     """The forward order of the blocks changes every step; prefetch must follow it."""
     import random
 
-    from shardwise.engine.fully_shard import units_of
+    from shardwise.engine.inspect import context_of
 
     model = make_model("lm", 4)
     ref = copy.deepcopy(model)
@@ -154,13 +154,14 @@ def changing_order(rank: int, world: int, strategy: str) -> float:
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-        ctx = units_of(model)[-1].ctx
-        recorded.append([u.name for u in ctx.order])
+        ctx = context_of(model)
+        assert ctx is not None
+        recorded.append([u.name for u in ctx.schedule.order])
         worst = max(worst, params_and_grads_match(model, ref, 1e-5, f"order/{strategy}"))
     # The recorded order followed the blocks' order of each step.
     assert len({tuple(r) for r in recorded}) > 1, recorded
     if strategy == "FULL_SHARD" and world > 1:
-        assert ctx.prefetches > 0, "no all-gather was ever prefetched"
+        assert ctx.schedule.prefetches > 0, "no all-gather was ever prefetched"
     return worst
 
 
