@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from .exchange import all_gather_bytes, all_gather_floats, broadcast_json, gather_bytes
 from .process_group import (
     backend,
+    byte_device,
     destroy_process_group,
     finish,
     global_rank_of,
@@ -29,7 +30,7 @@ from .process_group import (
     world_size,
 )
 from .transport import FreshBuffers, transport_for, use_all_to_all
-from .work import Work, handoff, issue
+from .work import Work, done, handoff, issue
 
 __all__ = [
     "Work", "all_gather_bytes", "all_gather_floats", "backend", "broadcast_json",
@@ -92,14 +93,22 @@ def all_reduce(
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     handle, issued = issue(f"all_reduce({op})", label, group, tensor, lambda: dist.all_reduce(
         handoff(tensor), op=ops[op], group=group, async_op=async_op))
-    return Work(handle if async_op else None, tensor, None, issued)
+    return done(handle, async_op, tensor, issued)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               label: str = "") -> torch.Tensor:
     issue(f"broadcast(src={src})", label, group, tensor,
-           lambda: dist.broadcast(handoff(tensor), src=src, group=group))
+          lambda: dist.broadcast(handoff(tensor), src=src, group=group))
     return tensor
+
+
+def _max_on_all(values: list[int], group: ProcessGroup | None, op: str, label: str
+                ) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=byte_device(group))
+    issue(op, label, group, t,
+          lambda: dist.all_reduce(handoff(t), op=dist.ReduceOp.MAX, group=group))
+    return [int(x) for x in t.cpu()]
 
 
 def agree(flag: bool, group: ProcessGroup | None = None, label: str = "") -> bool:
@@ -110,24 +119,15 @@ def agree(flag: bool, group: ProcessGroup | None = None, label: str = "") -> boo
     """
     if not is_initialized():
         return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32)
-    if backend(group) == "nccl":
-        t = t.cuda()
-    issue("agree", label, group, t,
-           lambda: dist.all_reduce(handoff(t), op=dist.ReduceOp.MAX, group=group))
-    return int(t.item()) == 0
+    return _max_on_all([0 if flag else 1], group, "agree", label)[0] == 0
 
 
 def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") -> bool:
-    """True on every rank iff every rank passed the same integer (two tiny all-reduces)."""
+    """True on every rank iff every rank passed the same integer (one tiny all-reduce)."""
     if not is_initialized() or world_size(group) == 1:
         return True
-    t = torch.tensor([value, -value], dtype=torch.int64)
-    if backend(group) == "nccl":
-        t = t.cuda()
-    issue("same_on_all", label, group, t,
-           lambda: dist.all_reduce(handoff(t), op=dist.ReduceOp.MAX, group=group))
-    return int(t[0].item()) == value and int(-t[1].item()) == value
+    hi, neg_lo = _max_on_all([value, -value], group, "same_on_all", label)
+    return hi == value and -neg_lo == value
 
 
 def barrier(group: ProcessGroup | None = None, label: str = "") -> None:

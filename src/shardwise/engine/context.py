@@ -53,6 +53,8 @@ class ModelContext:
                         "forward on the root")
                 ctx.sinks.extend(s for s in old.sinks if s not in ctx.sinks)
                 ctx.schedule.prefetch = ctx.schedule.prefetch and old.schedule.prefetch
+                ctx.schedule.limits = old.schedule.limits
+                ctx.step = max(ctx.step, old.step)
             ctx._adopt(u, name)
             units.append(u)
         ctx.units[:] = units

@@ -7,15 +7,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
 from . import dtensor as DT
 from .buffers import BufferPool
 from .checks import check_module, check_params
 from .context import ModelContext
 from .hooks import forward_post_hook, forward_pre_hook
 from .inspect import units_of
+from .mesh import MeshInfo, mesh_for_strategy, mesh_info_for
 from .misuse import watch_optimizers
 from .module_api import FSDP2Methods, check_reshard_after_forward
 from .policies import (
@@ -28,7 +27,7 @@ from .policies import (
 from .schedule import ShardedState
 from .sharded_param import ParamRef, ShardedParam
 from .tp import TPContext, context_for
-from .unit import MeshInfo, Unit
+from .unit import Unit
 from .wrap import assign_params, wrap_targets
 
 
@@ -77,34 +76,6 @@ def _sharded_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     return _CLASS_CACHE[cls]
-
-
-def default_device() -> torch.device:
-    if C.is_initialized() and C.backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def mesh_info_for(mesh: object | None) -> MeshInfo:
-    """MeshInfo from None (the whole world), a 1-D DeviceMesh, or a 2-D one (replicate, shard)."""
-    device = default_device()
-    grank = C.rank()
-    if isinstance(mesh, MeshInfo):
-        return mesh
-    if mesh is None:
-        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
-        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
-    ndim = getattr(mesh, "ndim", None)
-    if not isinstance(mesh, DeviceMesh):
-        ndim = None  # not a DeviceMesh, whatever its ndim says
-    if ndim == 1:
-        g = mesh.get_group()  # type: ignore[attr-defined]
-        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
-    if ndim == 2:
-        rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
-        return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
-                        device, grank, mesh)  # type: ignore[arg-type]
-    raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
 
 
 def fully_shard(
@@ -280,30 +251,6 @@ def _install_hooks(module: nn.Module) -> None:
     module.__class__ = _sharded_class(type(module))
 
 
-def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | None:
-    world = C.world_size()
-    if strategy is ShardingStrategy.NO_SHARD:
-        return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        if mesh is not None:
-            if getattr(mesh, "ndim", None) != 2:
-                raise ValueError(f"HYBRID_SHARD needs a 2-D DeviceMesh (replicate, shard), "
-                                 f"got {mesh!r}")
-            return mesh
-        local = C.env_int("LOCAL_WORLD_SIZE", world)
-        if local < 1 or world % local:
-            raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
-                             f"world size {world}")
-        shard_g, rep_g = C.new_groups_2d(world // local, local)
-        dev = default_device()
-        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
-        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
-                        C.rank(), dmesh)
-    if mesh is not None and getattr(mesh, "ndim", None) == 2:
-        raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
-    return mesh
-
-
 def shard_model(
     model: nn.Module,
     *,
@@ -327,7 +274,7 @@ def shard_model(
     if tp is not None and strategy is ShardingStrategy.NO_SHARD:
         raise ValueError("sharding_strategy=NO_SHARD with tensor-parallel parameters is not "
                          "supported: use FULL_SHARD or SHARD_GRAD_OP with mesh=mesh['dp']")
-    info = mesh_info_for(_strategy_mesh(strategy, mesh))
+    info = mesh_info_for(mesh_for_strategy(strategy, mesh))
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     # Ownership for the whole model at once, by the rule the planner uses (wrap.py): no
     # unit takes a tied parameter that a parent would then have to re-home.

@@ -12,8 +12,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .context import ModelContext
+    from .mesh import MeshInfo
     from .sharded_param import ShardedParam
-    from .unit import MeshInfo, Unit
+    from .unit import Unit
 
 
 def unit_of(module: nn.Module) -> Unit | None:

@@ -1,8 +1,8 @@
 """The process group's life (start-up with the restart store, a clean end) and membership.
 
-Part of the communication layer with collectives.py: this file owns init and teardown,
-collectives.py the operations. Neither holds a process-group singleton of its own;
-torch.distributed's default group is the one both use.
+Part of the communication layer (collectives.py says how it is split): this file owns init,
+teardown and who is in a group; the others the operations. None holds a process-group
+singleton of its own: torch.distributed's default group is the one they all use.
 
 [Note: gloo teardown] A process that used gloo could abort at exit after all its work was
 done ("terminate called without an active exception", torchrun: exitcode -6), in about 1 run

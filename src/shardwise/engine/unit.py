@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from .context import ModelContext
@@ -24,37 +22,11 @@ if TYPE_CHECKING:
 from . import collectives as C
 from .buffers import BufferPool
 from .events import Event, Span, now
+from .mesh import MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
-from .transport import Transport, transport_for
 from .work import Work
-
-
-@dataclass
-class MeshInfo:
-    """The process groups a unit communicates over."""
-
-    shard_group: ProcessGroup | None
-    shard_rank: int
-    shard_size: int
-    replicate_group: ProcessGroup | None
-    replicate_size: int
-    device: torch.device
-    global_rank: int = 0
-    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
-    device_mesh: DeviceMesh | None = None
-    # How the shard group moves flat buffers: decided once, when the mesh is made.
-    transport: Transport = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.transport = (transport_for(self.shard_group) if self.shard_size > 1
-                          else Transport(None))
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that see different data: gradients are averaged over all of them."""
-        return self.shard_size * self.replicate_size
 
 
 @dataclass
