@@ -33,8 +33,9 @@ def traced(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             t.step(step)
             _train_step(model, opt, seed=step * 10 + rank)
     # The bytes one all-gather of each unit moves, from the unit's own flat layout.
+    units = units_of(model)
     gather = {u.name: sum(b.numel * u.mesh.shard_size * b.dtype.itemsize for b in u.buckets)
-              for u in units_of(model)}
+              for u in units}
     refused = ""
     try:
         with sw.trace(out_dir, model):
