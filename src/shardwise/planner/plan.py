@@ -22,6 +22,7 @@ from ..engine.policies import (
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicyLike,
+    dtype_name,
 )
 from . import timing as T
 from .estimate import TimeEstimate, link_profiles, step_time
@@ -115,8 +116,7 @@ class Plan:
 def _mp_name(mp: MixedPrecisionPolicy | None) -> str:
     if mp is None or mp.param_dtype is None:
         return "fp32"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        mp.param_dtype, str(mp.param_dtype))
+    return dtype_name(mp.param_dtype)
 
 
 def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
