@@ -18,8 +18,8 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
-    """A loopback TCP port free right now (the OS picks it; a race with another process that
-    binds it first is possible, and harmless for the tests and single-host launches using it)."""
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it); another process may
+    still take it before the caller binds it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
