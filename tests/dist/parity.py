@@ -18,7 +18,7 @@ STEPS = 3
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full gradients of a sharded model, gathered (test-only, through all_gather)."""
     from shardwise.engine import collectives as C
-    from shardwise.engine.fully_shard import named_sharded_params
+    from shardwise.engine.inspect import named_sharded_params
 
     out = {}
     for fqn, sp in named_sharded_params(model):
@@ -97,7 +97,7 @@ def prefetch_off_and_on(rank: int, world: int, strategy: str) -> dict[str, objec
     """The same training with all-gather prefetching off (`set_prefetch(False)` on the root)
     and on, each against the reference; how many all-gathers each prefetched; and the
     largest difference between the two runs' final parameters."""
-    from shardwise.engine.fully_shard import units_of
+    from shardwise.engine.inspect import context_of
 
     out: dict[str, object] = {}
     finals = []
@@ -106,7 +106,9 @@ def prefetch_off_and_on(rank: int, world: int, strategy: str) -> dict[str, objec
                                                seed=2, prefetch=prefetch)
         name = "on" if prefetch else "off"
         out[f"diffs {name}"] = diffs
-        out[f"prefetches {name}"] = units_of(model)[-1].ctx.prefetches
+        ctx = context_of(model)
+        assert ctx is not None
+        out[f"prefetches {name}"] = ctx.schedule.prefetches
         finals.append(sw.full_state_dict(model))
     out["off vs on"] = max((finals[0][k] - finals[1][k]).abs().max().item() for k in finals[0])
     return out
@@ -147,7 +149,7 @@ def changing_order(rank: int, world: int, strategy: str) -> dict[str, object]:
     all-gathers were prefetched."""
     import random
 
-    from shardwise.engine.fully_shard import units_of
+    from shardwise.engine.inspect import context_of
 
     model = make_model("lm", 4)
     ref = copy.deepcopy(model)
@@ -180,10 +182,11 @@ def changing_order(rank: int, world: int, strategy: str) -> dict[str, object]:
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-        ctx = units_of(model)[-1].ctx
-        recorded.append([u.name for u in ctx.order])
+        ctx = context_of(model)
+        assert ctx is not None
+        recorded.append([u.name for u in ctx.schedule.order])
     diffs |= param_diffs(model, ref, "after the last step")
-    return {"diffs": diffs, "recorded": recorded, "prefetches": ctx.prefetches}
+    return {"diffs": diffs, "recorded": recorded, "prefetches": ctx.schedule.prefetches}
 
 
 def holdings(rank: int, world: int) -> dict[str, int]:

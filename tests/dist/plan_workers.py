@@ -53,7 +53,7 @@ def reset_high_water_mark() -> bool:
 def held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes behind params, grads and optimizer state, each storage counted once."""
     from shardwise.engine.dtensor import local_of
-    from shardwise.engine.fully_shard import sharded_params
+    from shardwise.engine.inspect import sharded_params
 
     def storages(tensors: list[torch.Tensor]) -> int:
         seen: dict[int, int] = {}

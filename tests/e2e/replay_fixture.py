@@ -3,7 +3,7 @@
 Two ranks, per-layer units "0" and "2" under the root "", FULL_SHARD: per step each unit is
 gathered for forward, resharded, gathered again for backward and its gradients
 reduce-scattered. Times are made up but ordered like the engine's; the schema is the one
-in observe/events.py.
+in engine/events.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardwise.observe.events import Event
+from shardwise.engine.events import Event
 
 UNITS = {"0": 2176, "2": 528}  # all-gather output bytes per unit (fp32, 2 ranks)
 STEPS = (1, 2, 3)

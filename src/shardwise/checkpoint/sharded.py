@@ -18,7 +18,8 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module, check_path
-from ..engine.fully_shard import reshard_between_steps, units_of
+from ..engine.fully_shard import reshard_between_steps
+from ..engine.inspect import units_of
 from ..engine.sharded_param import ShardedParam
 from . import atomic, optim_state
 from .finite import check_finite

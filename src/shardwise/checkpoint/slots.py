@@ -18,7 +18,7 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.dtensor import local_of
-from ..engine.fully_shard import named_sharded_params
+from ..engine.inspect import named_sharded_params
 from ..engine.sharded_param import ShardedParam
 from .manifest import model_name
 

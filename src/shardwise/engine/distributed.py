@@ -13,6 +13,7 @@ from torch import nn
 
 from . import collectives as C
 from .checks import check_module, check_number
+from .inspect import units_of
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -76,14 +77,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     loss divided by k) give the same update as one batch k times larger.
     """
     check_module("model", model)
-    units = [m for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
+    units = units_of(model)
     if not units:
         raise ValueError(f"no_sync needs a sharded model; {type(model).__name__} has no units")
-    before = [m._sw_unit.requires_grad_sync for m in units]
-    for m in units:
-        m._sw_unit.requires_grad_sync = False
+    before = [u.requires_grad_sync for u in units]
+    for u in units:
+        u.requires_grad_sync = False
     try:
         yield
     finally:
-        for m, b in zip(units, before):
-            m._sw_unit.requires_grad_sync = b
+        for u, b in zip(units, before):
+            u.requires_grad_sync = b

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
 from . import dtensor as DT
 from .buffers import BufferPool
 from .checks import check_module, check_params
+from .context import ModelContext
 from .hooks import forward_post_hook, forward_pre_hook
+from .inspect import units_of
+from .mesh import MeshInfo, mesh_for_strategy, mesh_info_for
 from .misuse import watch_optimizers
 from .module_api import FSDP2Methods, check_reshard_after_forward
 from .policies import (
@@ -23,9 +24,10 @@ from .policies import (
     WrapPolicyLike,
     resolve_wrap_policy,
 )
+from .schedule import ShardedState
 from .sharded_param import ParamRef, ShardedParam
-from .unit import MeshInfo, ShardedState, Unit
-from .wrap import wrap_targets
+from .unit import Unit
+from .wrap import assign_params, wrap_targets
 
 
 class ShardedModule(FSDP2Methods):
@@ -75,34 +77,6 @@ def _sharded_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
-def default_device() -> torch.device:
-    if C.is_initialized() and C.backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def mesh_info_for(mesh: object | None) -> MeshInfo:
-    """MeshInfo from None (the whole world), a 1-D DeviceMesh, or a 2-D one (replicate, shard)."""
-    device = default_device()
-    grank = C.rank()
-    if isinstance(mesh, MeshInfo):
-        return mesh
-    if mesh is None:
-        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
-        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
-    ndim = getattr(mesh, "ndim", None)
-    if not isinstance(mesh, DeviceMesh):
-        ndim = None  # not a DeviceMesh, whatever its ndim says
-    if ndim == 1:
-        g = mesh.get_group()  # type: ignore[attr-defined]
-        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
-    if ndim == 2:
-        rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
-        return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
-                        device, grank, mesh)  # type: ignore[arg-type]
-    raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
-
-
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -118,6 +92,34 @@ def fully_shard(
     FSDP2's module methods (module_api.py). `mp_policy` and `offload_policy` also take
     torch.distributed.fsdp's own policy objects.
     """
+    mp, offload, ignored = _validate(module, reshard_after_forward, mp_policy, offload_policy,
+                                     ignored_params)
+    assert isinstance(module, nn.Module)
+    return _shard(module, mesh_info_for(mesh), reshard_after_forward, mp, offload,
+                  _mark_ignored(ignored), None)
+
+
+def _shard(module: nn.Module, info: MeshInfo, reshard_after_forward: bool,
+           mp: MixedPrecisionPolicy | None, offload: CPUOffloadPolicy | None,
+           ignored: set[int], owned: set[int] | None) -> nn.Module:
+    """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
+    owns, when the caller computed ownership for the whole model (shard_model); None: take
+    what no sharded child owns and re-home tied parameters shared with siblings."""
+    new, rehome = _collect_params(module, ignored, owned)
+    params = _rehome(rehome) + _shard_new(new, info, mp, offload)
+    unit = Unit(module, "", params, info, reshard_after_forward, mp, offload, BufferPool())
+    for sp in params:
+        sp.owner = unit
+    module._sw_unit = unit  # type: ignore[attr-defined]
+    ModelContext.create(unit)
+    _install_hooks(module)
+    return module
+
+
+def _validate(module: object, reshard_after_forward: object, mp_policy: object,
+              offload_policy: object, ignored_params: Iterable[nn.Parameter] | None
+              ) -> tuple[MixedPrecisionPolicy | None, CPUOffloadPolicy | None,
+                         list[nn.Parameter]]:
     if isinstance(module, (list, tuple)):
         raise ValueError(
             f"fully_shard on a list of {len(module)} modules is not supported: shard their "
@@ -133,27 +135,35 @@ def fully_shard(
     if getattr(module, "_sw_unit", None) is not None:
         raise ValueError(f"{type(module).__name__} is already sharded")
     check_reshard_after_forward(reshard_after_forward)
-    mp_policy = MixedPrecisionPolicy.from_torch(mp_policy)
-    offload_policy = CPUOffloadPolicy.from_torch(offload_policy)
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy={mp_policy!r} must be sw.MixedPrecisionPolicy, torch's "
+    mp = MixedPrecisionPolicy.from_torch(mp_policy)
+    offload = CPUOffloadPolicy.from_torch(offload_policy)
+    if mp is not None and not isinstance(mp, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy={mp!r} must be sw.MixedPrecisionPolicy, torch's "
                          "MixedPrecisionPolicy or None")
-    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError(f"offload_policy={offload_policy!r} must be sw.CPUOffloadPolicy, "
+    if offload is not None and not isinstance(offload, CPUOffloadPolicy):
+        raise ValueError(f"offload_policy={offload!r} must be sw.CPUOffloadPolicy, "
                          "torch's CPUOffloadPolicy / OffloadPolicy or None")
-    ignored_list = check_params("ignored_params", ignored_params)
-    info = mesh_info_for(mesh)
-    ignored = {id(p) for p in ignored_list}
-    for p in ignored_list:
-        p._sw_ignored = True  # type: ignore[attr-defined]
-    if offload_policy is not None and offload_policy.params and info.device.type == "cuda":
-        host = torch.device("cpu")
-    else:
-        host = info.device
+    return mp, offload, check_params("ignored_params", ignored_params)
 
+
+def _mark_ignored(params: list[nn.Parameter]) -> set[int]:
+    # Marked on the tensor too: a parent's fully_shard must skip them without being told.
+    for p in params:
+        p._sw_ignored = True  # type: ignore[attr-defined]
+    return {id(p) for p in params}
+
+
+_NewParams = dict[int, tuple[nn.Parameter, list[ParamRef]]]
+_Rehome = dict[int, tuple[ShardedParam, list[ParamRef]]]
+
+
+def _collect_params(module: nn.Module, ignored: set[int], owned: set[int] | None
+                    ) -> tuple[_NewParams, _Rehome]:
+    """(plain parameters to shard, already-sharded ones to re-home into this unit), each
+    with every (module, name) that refers to it under `module`."""
     subtree = {id(m) for m in module.modules()}
-    new: dict[int, tuple[nn.Parameter, list[ParamRef]]] = {}
-    rehome: dict[int, tuple[ShardedParam, list[ParamRef]]] = {}
+    new: _NewParams = {}
+    rehome: _Rehome = {}
     owner_trees: dict[int, set[int]] = {}
     for mname, m in module.named_modules():
         for pname, t in m._parameters.items():
@@ -162,15 +172,16 @@ def fully_shard(
             ref = ParamRef(m, pname, f"{mname}.{pname}" if mname else pname)
             sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
                 t, "_sw_orig_of", None)
+            if owned is not None:
+                if id(t) in owned:
+                    _check_plain(ref, t)
+                    new.setdefault(id(t), (t, []))[1].append(ref)
+                continue
             if sp is None:
-                if DT.is_dtensor(t):
-                    raise ValueError(
-                        f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
-                        f"{t.device_mesh}); shardwise shards plain parameters only (tensor "  # type: ignore[attr-defined]
-                        "parallelism composed with fully_shard is not supported yet)")
+                _check_plain(ref, t)
                 new.setdefault(id(t), (t, []))[1].append(ref)
                 continue
-            owner: Unit = sp.owner  # type: ignore[attr-defined]
+            owner = sp.owner
             if owner is None:
                 continue
             if id(owner) not in owner_trees:
@@ -180,11 +191,23 @@ def fully_shard(
             if id(owner.module) not in subtree:
                 continue  # a sibling's parameter: the common parent will re-home it
             rehome.setdefault(id(sp), (sp, []))[1].append(ref)
+    return new, rehome
 
-    compute_dtype = mp_policy.param_dtype if mp_policy else None
-    params: list[ShardedParam] = []
+
+def _check_plain(ref: ParamRef, t: torch.Tensor) -> None:
+    if DT.is_dtensor(t):
+        raise ValueError(
+            f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
+            f"{t.device_mesh}); shardwise shards plain parameters only (tensor "  # type: ignore[attr-defined]
+            "parallelism composed with fully_shard is not supported yet)")
+
+
+def _rehome(rehome: _Rehome) -> list[ShardedParam]:
+    """Move tied parameters from the child units that shared them into this one."""
+    params = []
     for sp, refs in rehome.values():
-        owner = sp.owner  # type: ignore[attr-defined]
+        owner = sp.owner
+        assert owner is not None
         if owner.state is not ShardedState.SHARDED:
             raise RuntimeError(f"cannot re-home {sp.fqn} while its unit is unsharded")
         owner.set_params([q for q in owner.params if q is not sp])
@@ -193,9 +216,20 @@ def fully_shard(
                 sp.refs.append(r)
             r.module._parameters[r.name] = sp.sharded
         params.append(sp)
+    return params
+
+
+def _shard_new(new: _NewParams, info: MeshInfo, mp: MixedPrecisionPolicy | None,
+               offload: CPUOffloadPolicy | None) -> list[ShardedParam]:
+    if offload is not None and offload.params and info.device.type == "cuda":
+        host = torch.device("cpu")
+    else:
+        host = info.device
+    compute_dtype = mp.param_dtype if mp else None
+    pin = bool(offload and offload.pin_memory)
+    params = []
     for t, refs in new.values():
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
-        pin = bool(offload_policy and offload_policy.pin_memory)
         sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
                           pin_memory=pin, device_mesh=info.device_mesh)
         # Later fully_shard calls on a parent find other references to the original here.
@@ -203,41 +237,14 @@ def fully_shard(
         if not t.is_meta:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)  # free the full copy
         params.append(sp)
+    return params
 
+
+def _install_hooks(module: nn.Module) -> None:
     watch_optimizers()
-    unit = Unit(module, "", params, info, reshard_after_forward, mp_policy, offload_policy,
-                BufferPool())
-    for sp in params:
-        sp.owner = unit
-    module._sw_unit = unit  # type: ignore[attr-defined]
     module.register_forward_pre_hook(forward_pre_hook, prepend=True, with_kwargs=True)
     module.register_forward_hook(forward_post_hook, with_kwargs=True)
     module.__class__ = _sharded_class(type(module))
-    return module
-
-
-def _strategy_mesh(strategy: ShardingStrategy, mesh: object | None) -> object | None:
-    world = C.world_size()
-    if strategy is ShardingStrategy.NO_SHARD:
-        return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        if mesh is not None:
-            if getattr(mesh, "ndim", None) != 2:
-                raise ValueError(f"HYBRID_SHARD needs a 2-D DeviceMesh (replicate, shard), "
-                                 f"got {mesh!r}")
-            return mesh
-        local = C.env_int("LOCAL_WORLD_SIZE", world)
-        if local < 1 or world % local:
-            raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
-                             f"world size {world}")
-        shard_g, rep_g = C.new_groups_2d(world // local, local)
-        dev = default_device()
-        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
-        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
-                        C.rank(), dmesh)
-    if mesh is not None and getattr(mesh, "ndim", None) == 2:
-        raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
-    return mesh
 
 
 def shard_model(
@@ -252,51 +259,22 @@ def shard_model(
 ) -> nn.Module:
     """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
     check_module("model", model)
-    ignored = check_params("ignored_params", ignored_params)
+    ignored = _mark_ignored(check_params("ignored_params", ignored_params))
     strategy = ShardingStrategy.parse(sharding_strategy)
     mp = MixedPrecisionPolicy.parse(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload)
     policy = resolve_wrap_policy(auto_wrap_policy, model)
     targets = wrap_targets(model, policy)
-    info = _strategy_mesh(strategy, mesh)
+    info = mesh_info_for(mesh_for_strategy(strategy, mesh))
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    for _, m in targets:
-        fully_shard(m, mesh=info, reshard_after_forward=reshard, mp_policy=mp,
-                    offload_policy=offload, ignored_params=ignored)
-    fully_shard(model, mesh=info, reshard_after_forward=reshard, mp_policy=mp,
-                offload_policy=offload, ignored_params=ignored)
-    model._sw_strategy = strategy  # type: ignore[attr-defined]
+    # Ownership for the whole model at once, by the rule the planner uses (wrap.py): no
+    # unit takes a tied parameter that a parent would then have to re-home.
+    owned = {spec.name: set(spec.ids) for spec in assign_params(model, targets, ignored)}
+    for name, m in [*targets, ("", model)]:
+        if getattr(m, "_sw_unit", None) is not None:
+            raise ValueError(f"{name or type(m).__name__!r} is already sharded")
+        _shard(m, info, reshard, mp, offload, ignored, owned[name])
     return model
-
-
-def units_of(model: nn.Module) -> list[Unit]:
-    return [m._sw_unit for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
-
-
-def sharded_params(model: nn.Module) -> list[ShardedParam]:
-    """Every ShardedParam under `model`, once each, in unit order."""
-    out, seen = [], set()
-    for u in units_of(model):
-        for p in u.params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
-    """(FQN relative to `model`, ShardedParam) for every sharded parameter, first name wins.
-
-    Names follow `model.named_parameters()`, so tied parameters appear once.
-    """
-    out, seen = [], set()
-    for mname, m in model.named_modules():
-        for pname, t in m._parameters.items():
-            sp = getattr(t, "_sw_param", None) if t is not None else None
-            if sp is not None and id(sp) not in seen:
-                seen.add(id(sp))
-                out.append((f"{mname}.{pname}" if mname else pname, sp))
-    return out
 
 
 def reshard_between_steps(model: nn.Module, what: str) -> None:
@@ -308,7 +286,7 @@ def reshard_between_steps(model: nn.Module, what: str) -> None:
     """
     for u in units_of(model):
         ctx = u.ctx
-        if ctx is not None and ctx.state.value == "backward":
+        if ctx is not None and ctx.in_backward:
             raise RuntimeError(f"{what} cannot run inside backward (unit {u.label!r} is in "
                                "use); call it between steps")
         u.reshard()

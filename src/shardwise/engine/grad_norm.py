@@ -9,7 +9,7 @@ from torch import nn
 
 from . import collectives as C
 from .checks import check_bool, check_module, check_number
-from .fully_shard import sharded_params, units_of
+from .inspect import sharded_params, units_of
 
 
 def clip_grad_norm_(

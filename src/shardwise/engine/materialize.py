@@ -11,7 +11,7 @@ from torch import nn
 
 from . import collectives as C
 from .checks import check_int, check_module
-from .fully_shard import sharded_params, units_of
+from .inspect import sharded_params, units_of
 
 
 def materialize(

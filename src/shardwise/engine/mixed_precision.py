@@ -14,7 +14,7 @@ from torch import nn
 from . import collectives as C
 from . import dtensor as DT
 from .checks import check_bool, check_int, check_module, check_number
-from .fully_shard import sharded_params, units_of
+from .inspect import sharded_params, units_of
 from .policies import dtype_name
 
 

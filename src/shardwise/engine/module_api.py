@@ -121,11 +121,10 @@ class FSDP2Methods:
             u.grad_divide_factor = float(factor)
 
     def set_prefetch(self, enabled: bool) -> None:
-        """Turn all-gather prefetching on or off (on by default)."""
-        unit = self._sw_unit
-        if unit.ctx is not None:
-            unit.ctx.prefetch_enabled = bool(enabled)
-        self._sw_prefetch = bool(enabled)
+        """Turn all-gather prefetching on or off for the whole model (on by default)."""
+        check_bool("enabled", enabled)
+        assert self._sw_unit.ctx is not None
+        self._sw_unit.ctx.schedule.prefetch = enabled
 
 
 def check_reshard_after_forward(value: object) -> None:

@@ -1,8 +1,8 @@
-"""The process group's life: start-up (with the restart store), and a clean end.
+"""The process group's life (start-up with the restart store, a clean end) and membership.
 
-Part of the communication layer with collectives.py: this file owns init and teardown,
-collectives.py the operations. Neither holds a process-group singleton of its own;
-torch.distributed's default group is the one both use.
+Part of the communication layer (collectives.py says how it is split): this file owns init,
+teardown and who is in a group; the others the operations. None holds a process-group
+singleton of its own: torch.distributed's default group is the one they all use.
 
 [Note: gloo teardown] A process that used gloo could abort at exit after all its work was
 done ("terminate called without an active exception", torchrun: exitcode -6), in about 1 run
@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +185,44 @@ def _at_exit() -> None:
     except Exception as e:  # noqa: BLE001 - an exit handler must not turn success into failure
         log.debug("exit drain: %s", e)
         wait_for_gloo_drops(_FAILED_DRAIN_S)
+
+
+# --- who is in a group ------------------------------------------------------------------
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def backend(group: ProcessGroup | None = None) -> str:
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group`, in group-rank order."""
+    if not is_initialized():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def global_rank_of(group: ProcessGroup | None, group_rank: int) -> int:
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def world_group() -> ProcessGroup:
+    """The default process group as an object (what DeviceMesh.from_group needs)."""
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def byte_device(group: ProcessGroup | None) -> torch.device:
+    """Where small host-side exchanges live for `group`'s backend (NCCL needs the GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend(group) == "nccl" \
+        else torch.device("cpu")

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
+
+if TYPE_CHECKING:
+    from .unit import Unit
 
 
 @dataclass
@@ -77,7 +81,7 @@ class ShardedParam:
         self.chunk_numel = self.chunk_rows * self.row_numel
 
         # The unit this parameter belongs to (set by fully_shard; changes when re-homed).
-        self.owner: object | None = None
+        self.owner: Unit | None = None
         # Unsharded gradient accumulated across no_sync() backwards in the reduce dtype, when
         # that differs from the compute dtype (FSDP2 upcasts the same way).
         self.acc_grad: torch.Tensor | None = None

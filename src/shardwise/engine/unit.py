@@ -3,54 +3,34 @@
 A unit moves all of its parameters through one flat buffer per communication dtype: one
 all-gather to unshard, one reduce-scatter (plus an all-reduce across replicas for
 HYBRID_SHARD, or only an all-reduce for NO_SHARD) to reduce gradients. State transitions
-live here and are checked at entry (see `ShardedState`).
+live here and are checked at entry (see `ShardedState`); *when* they happen is decided by
+the step schedule (schedule.py). How bytes move is the mesh's transport (transport.py).
 """
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
-from ..observe.events import Event, now
+if TYPE_CHECKING:
+    from .context import ModelContext
+
 from . import collectives as C
 from .buffers import BufferPool
+from .events import Event, Span, now
+from .mesh import MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
-
-
-class ShardedState(enum.Enum):
-    SHARDED = "sharded"  # only shards exist
-    GATHERING = "gathering"  # all-gather issued, not yet waited
-    UNSHARDED = "unsharded"  # full parameters registered on the modules
+from .work import Work
 
 
 @dataclass
-class MeshInfo:
-    """The process groups a unit communicates over."""
-
-    shard_group: ProcessGroup | None
-    shard_rank: int
-    shard_size: int
-    replicate_group: ProcessGroup | None
-    replicate_size: int
-    device: torch.device
-    global_rank: int = 0
-    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
-    device_mesh: DeviceMesh | None = None
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that see different data: gradients are averaged over all of them."""
-        return self.shard_size * self.replicate_size
-
-
-@dataclass
-class CommGroup:
+class FlatBucket:
     """Parameters of a unit that share a communication dtype, and their flat layout."""
 
     dtype: torch.dtype
@@ -73,10 +53,10 @@ class CommGroup:
 
 @dataclass
 class _PendingGather:
-    group: CommGroup
+    bucket: FlatBucket
     send: torch.Tensor
     out: torch.Tensor
-    work: C.Work
+    work: Work
     start: float
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
 
@@ -84,14 +64,16 @@ class _PendingGather:
 @dataclass
 class PendingReduce:
     unit: Unit
-    group: CommGroup
+    bucket: FlatBucket
     send: torch.Tensor | None
     out: torch.Tensor
-    work: C.Work
+    work: Work
     start: float
-    scratch: torch.Tensor | None = None  # all-to-all receive buffer, pooled
     # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
     complete: bool = True
+
+    def finish(self) -> None:
+        self.unit.finish_reduce(self)
 
 
 class Unit:
@@ -115,8 +97,10 @@ class Unit:
         self.offload = offload
         self.pool = pool
         self.state = ShardedState.SHARDED
-        # Set by the root at lazy init: shared per-model context (order, pending reduces).
-        self.ctx = None
+        self.training_state = TrainingState.IDLE
+        # The per-model context (engine/context.py), set when this unit is sharded and
+        # replaced when a parent is sharded.
+        self.ctx: ModelContext | None = None
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
@@ -127,7 +111,7 @@ class Unit:
         self._gathers: list[_PendingGather] = []
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
-        self.groups: list[CommGroup] = []
+        self.buckets: list[FlatBucket] = []
         self.params: list[ShardedParam] = []
         self.set_params(params)
 
@@ -140,10 +124,10 @@ class Unit:
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
-        self.groups = [CommGroup(dtype, ps) for dtype, ps in by_dtype.items()]
+        self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
-        self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.groups}
+        self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
 
     def follow_requires_grad(self) -> None:
         """Take up `requires_grad` changes the user made since sharding (between steps).
@@ -165,7 +149,7 @@ class Unit:
             self.set_params(self.params)
 
     def has_unreduced_grads(self) -> bool:
-        return any(p.local_grad() is not None for g in self.groups for p in g.grad_params)
+        return any(p.local_grad() is not None for g in self.buckets for p in g.grad_params)
 
     @property
     def label(self) -> str:
@@ -190,15 +174,12 @@ class Unit:
         """Issue the all-gather (idempotent: no-op unless SHARDED)."""
         if self.state is not ShardedState.SHARDED:
             return
-        S = self.mesh.shard_size
-        for g in self.groups:
+        S, transport = self.mesh.shard_size, self.mesh.transport
+        for g in self.buckets:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            # The all-to-all transport sends the shard to every peer: an (S, n) send buffer
-            # whose first row is filled here (see collectives [Note: gloo transport]).
-            a2a = C.use_all_to_all(self.mesh.shard_group)
-            send = self.pool.get(g.numel * (S if a2a else 1), g.dtype, self.mesh.device)
+            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
             shard = send[: g.numel]
             with torch.no_grad():
                 for p, off in zip(g.params, g.offsets):
@@ -206,12 +187,11 @@ class Unit:
                     shard[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
                                                            non_blocking=True)
             out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-            t_call = 0.0 if async_op else now()
-            work = C.all_gather(out, shard, self.mesh.shard_group, async_op,
-                                scratch=send if a2a else None, label=self.label)
+            with Span() as call:
+                work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
-            blocked = 0.0 if async_op else now() - t_call
-            self._gathers.append(_PendingGather(g, send, out, work, start, blocked))
+            self._gathers.append(_PendingGather(g, send, out, work, start,
+                                                0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -223,19 +203,18 @@ class Unit:
         S = self.mesh.shard_size
         with torch.no_grad():
             for pg in self._gathers:
-                t_wait = now()
-                pg.work.wait()
-                waited = now() - t_wait + pg.blocked
+                with Span() as wait:
+                    pg.work.wait()
                 self.pool.release(pg.send)
-                rows = pg.out.view(S, pg.group.numel)
-                for p, off in zip(pg.group.params, pg.group.offsets):
+                rows = pg.out.view(S, pg.bucket.numel)
+                for p, off in zip(pg.bucket.params, pg.bucket.offsets):
                     p.alloc_unsharded()
                     # `.data` so the copy does not bump the autograd version counter that
                     # tensors saved in forward check in backward (they alias this storage).
                     p.unsharded_rows_view().copy_(rows[:, off : off + p.chunk_numel])
                 self.pool.release(pg.out)
                 self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
-                           pg.start, waited)
+                           pg.start, wait.seconds + pg.blocked)
             if S == 1:
                 for p in self.params:
                     if not p.direct:
@@ -264,8 +243,8 @@ class Unit:
 
     # --- gradients ----------------------------------------------------------------------
 
-    def post_backward(self) -> list[PendingReduce]:
-        """The unit's backward is over: reduce its gradients (async) and reshard.
+    def reduce_grads(self) -> Sequence[PendingReduce]:
+        """The unit's backward is over: reduce its gradients (async); the schedule reshards.
 
         May run more than once per backward (a unit used by several forwards): each call
         reduces what accumulated since the last one, and the results add up in the sharded
@@ -274,17 +253,13 @@ class Unit:
         """
         if self.ctx is not None and self.ctx.sinks:
             self._emit("backward", "", 0, self.t_compute)
-        pending: list[PendingReduce] = []
         if self.requires_grad_sync:
-            pending = self._reduce_grads()
-        else:
-            self._accumulate_unsynced()
-        if self.reshard_after_backward:
-            self.reshard()
-        return pending
+            return self._reduce_grads()
+        self._accumulate_unsynced()
+        return ()
 
     def _accumulate_unsynced(self) -> None:
-        for g in self.groups:
+        for g in self.buckets:
             rd = self.reduce_dtype_for[g.dtype]
             for p in g.grad_params:
                 grad = None if p.direct else p.unsharded.grad
@@ -308,7 +283,7 @@ class Unit:
         rdt = self.reduce_dtype_for
         pending = []
         with torch.no_grad():
-            for g in self.groups:
+            for g in self.buckets:
                 if not g.grad_params:
                     continue
                 grads = [p.local_grad() for p in g.grad_params]
@@ -332,41 +307,35 @@ class Unit:
                 complete = all(x is not None for x in grads)
                 if S > 1:
                     out = torch.empty(width, dtype=dtype, device=mesh.device)
-                    scratch = (self.pool.get(width * S, dtype, mesh.device)
-                               if C.use_all_to_all(mesh.shard_group) else None)
-                    work = C.reduce_scatter_sum(out, send, mesh.shard_group, async_op=True,
-                                                scratch=scratch, label=self.label)
-                    pending.append(PendingReduce(self, g, send, out, work, start, scratch,
-                                                 complete))
+                    work = mesh.transport.reduce_scatter(out, send, True, self.pool,
+                                                         label=self.label)
+                    pending.append(PendingReduce(self, g, send, out, work, start, complete))
                 else:
                     work = C.all_reduce(send, mesh.replicate_group, async_op=True,
                                         label=self.label) \
-                        if mesh.replicate_size > 1 else C.Work(None, send)
-                    pending.append(PendingReduce(self, g, None, send, work, start, None,
-                                                 complete))
+                        if mesh.replicate_size > 1 else Work(None, send)
+                    pending.append(PendingReduce(self, g, None, send, work, start, complete))
         return pending
 
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
-        t_wait = now()
-        out = pr.work.wait()
-        waited = now() - t_wait
+        with Span() as wait:
+            out = pr.work.wait()
+        waited = wait.seconds
         mesh = self.mesh
         nbytes = pr.out.numel() * pr.out.element_size()
         if pr.send is not None:
             self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                        waited)
             self.pool.release(pr.send)
-            if pr.scratch is not None:
-                self.pool.release(pr.scratch)
             if mesh.replicate_size > 1:
-                start = now()
-                C.all_reduce(out, mesh.replicate_group, label=self.label)
+                with Span() as call:
+                    C.all_reduce(out, mesh.replicate_group, label=self.label)
                 # Synchronous: the whole call is exposed.
-                self._emit("all_reduce", "all_reduce", nbytes, start, now() - start)
+                self._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds)
         elif mesh.replicate_size > 1:
             self._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
-        n_grad = pr.group.grad_numel
+        n_grad = pr.bucket.grad_numel
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
@@ -374,7 +343,7 @@ class Unit:
         if factor != 1:
             out[:n_grad].div_(factor)
         with torch.no_grad():
-            for i, (p, off) in enumerate(zip(pr.group.grad_params, pr.group.grad_offsets)):
+            for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
                 if counts is not None and counts[i] == 0:
                     continue  # no rank computed it: the gradient stays as it was (None)
                 n = p.local_rows * p.row_numel

@@ -10,7 +10,7 @@ common ancestor (usually the root), and a unit never reads a parameter it does n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -70,6 +70,8 @@ class UnitSpec:
 
     name: str
     params: tuple[ParamSpec, ...]
+    # id() of each parameter object, in `params` order: what shard_model shards per unit.
+    ids: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
 
 def assign_params(
@@ -115,10 +117,11 @@ def assign_params(
             entry = refs.setdefault(id(p), (p, fqn, set()))
             entry[2].add(owner_of[id(m)])
 
-    owned: dict[str, list[ParamSpec]] = {name: [] for name in unit_names}
+    owned: dict[str, list[tuple[ParamSpec, int]]] = {name: [] for name in unit_names}
     for p, fqn, users in refs.values():
         chains = [ancestors(u) for u in users]
         common = [u for u in chains[0] if all(u in c for c in chains[1:])]
         spec = ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad)
-        owned[common[0]].append(spec)
-    return [UnitSpec(name, tuple(owned[name])) for name in unit_names]
+        owned[common[0]].append((spec, id(p)))
+    return [UnitSpec(name, tuple(s for s, _ in owned[name]), tuple(i for _, i in owned[name]))
+            for name in unit_names]

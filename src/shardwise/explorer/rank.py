@@ -21,7 +21,7 @@ from torch import nn
 
 from ..engine import collectives as C
 from ..engine.dtensor import local_of
-from ..observe.events import Event, now
+from ..engine.events import Event, now
 from .problem import LR, Problem, evaluate, make_model, make_problem, points_payload, rank_slice
 
 
@@ -74,7 +74,7 @@ class RankTrainer:
 
     def __init__(self, rank: int, world: int, cfg: dict, seed: int, device: torch.device) -> None:
         import shardwise as sw
-        from shardwise.engine.fully_shard import sharded_params
+        from shardwise.engine.inspect import sharded_params
         from shardwise.observe.sinks import attach_sink
 
         self.rank, self.world, self.device = rank, world, device
@@ -103,11 +103,11 @@ class RankTrainer:
 
     def shard_map(self) -> dict:
         """Units in module order; per parameter the rows of dim 0 this rank holds."""
+        from shardwise.engine.inspect import mesh_of, units_of
+
         units = []
-        for name, m in self.model.named_modules():
-            unit = getattr(m, "_sw_unit", None)
-            if unit is None:
-                continue
+        for unit in units_of(self.model):
+            name = unit.name
             params = []
             for sp in unit.params:
                 shape = list(sp.orig_shape)
@@ -117,8 +117,8 @@ class RankTrainer:
                     "dim0": shape[0] if shape else 1, "numel": sp.local.numel(),
                 })
             units.append({"name": name, "params": params})
-        mesh = next(m._sw_unit.mesh for m in self.model.modules()
-                    if getattr(m, "_sw_unit", None) is not None)
+        mesh = mesh_of(self.model)
+        assert mesh is not None
         return {"units": units, "mesh": {"shard_rank": mesh.shard_rank,
                                          "shard_size": mesh.shard_size,
                                          "replicate_size": mesh.replicate_size}}

@@ -7,14 +7,16 @@ from typing import IO
 
 from torch import nn
 
-from .events import Event, EventSink
+from ..engine.context import ModelContext
+from ..engine.events import Event, EventSink
+from ..engine.inspect import context_of
 
 
-def _units(model: nn.Module) -> list:
-    units = [m._sw_unit for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
-    if not units:
+def _context(model: nn.Module) -> ModelContext:
+    ctx = context_of(model)
+    if ctx is None:
         raise ValueError(f"{type(model).__name__} is not sharded: nothing emits events")
-    return units
+    return ctx
 
 
 def attach_sink(model: nn.Module, sink: EventSink) -> None:
@@ -22,28 +24,18 @@ def attach_sink(model: nn.Module, sink: EventSink) -> None:
 
     Collective events arrive with `group` set (see [Note: communication bytes]).
     """
-    sinks = getattr(model, "_sw_sinks", None)
-    if sinks is None:
-        sinks = []
-        model._sw_sinks = sinks  # type: ignore[attr-defined]
-    sinks.append(sink)
-    for u in _units(model):
-        if u.ctx is not None:
-            u.ctx.sinks = sinks
+    _context(model).sinks.append(sink)
 
 
 def detach_sink(model: nn.Module, sink: EventSink) -> None:
-    sinks = getattr(model, "_sw_sinks", [])
+    sinks = _context(model).sinks
     if sink in sinks:
         sinks.remove(sink)
 
 
 def set_step(model: nn.Module, step: int) -> None:
     """Label the following events with training step `step`."""
-    for u in _units(model):
-        if u.ctx is not None:
-            u.ctx.step = step
-    model._sw_step = step  # type: ignore[attr-defined]
+    _context(model).step = step
 
 
 class ListSink:

@@ -2,8 +2,11 @@
 
 Peaks come from *when* things are alive, not from adding every term: at the end of forward
 all activations exist but no gradients; by the end of backward the reverse. So this replays
-the engine's schedule (engine/hooks.py, [Note: prefetch]) unit by unit, with the engine's
-own `BufferPool` on the meta device doing the pool's bookkeeping:
+the engine's own schedule (engine/schedule.py: the same `Schedule` object the engine's hooks
+drive, over units that count bytes instead of moving them) unit by unit, with the engine's
+own `BufferPool` on the meta device doing the pool's bookkeeping. The loop below only says
+where the step is, as the hooks do; prefetching, limits, resharding and draining are the
+schedule's:
 
 forward   root unshards (and stays unsharded); each unit: wait for its all-gather, prefetch
           the next one (at most 2 in flight; not on the first step, whose order is unknown),
@@ -18,13 +21,13 @@ step      the optimizer's state appears on the first step; its temporaries come 
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..engine.buffers import BufferPool
-from ..engine.hooks import MAX_GATHERS_IN_FLIGHT, MAX_REDUCES_IN_FLIGHT
+from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
 from .memory import UnitCost, _size
 
 META = torch.device("meta")
@@ -55,6 +58,9 @@ class PhasePeaks:
     unsharded: int = 0  # most bytes of gathered parameters (and their gather buffers) at once
     comm_buffers: int = 0  # most bytes held by the buffer pool (+ backend scratch) at once
     activations: int = 0  # most activation bytes at once
+    # Most all-gathers (issued ahead) and reductions in flight at once, as the schedule ran.
+    gathers_in_flight: int = 0
+    reduces_in_flight: int = 0
 
 
 @dataclass
@@ -77,154 +83,162 @@ class _Tally:
         return p
 
 
+class _SimUnit:
+    """A unit as the schedule sees it (engine/schedule.py `ScheduledUnit`), counting bytes."""
+
+    def __init__(self, sim: _Sim, i: int, reshard_after_forward: bool) -> None:
+        self.sim, self.i, self.cost = sim, i, sim.costs[i]
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_root = i == 0
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.unreduced = False  # full gradients exist that were not reduced yet
+
+    def unshard(self, async_op: bool = True) -> None:
+        if self.state is not ShardedState.SHARDED:
+            return
+        sim = self.sim
+        if sim.S > 1:
+            for dtype, chunk in self.cost.gather:
+                send = sim.get(chunk, dtype)
+                out = sim.get(chunk * sim.S, dtype)
+                if sim.scratch:
+                    # gloo gathers into a flat output of its own and copies it out: a copy
+                    # that lives while the all-gather runs, which is right after issue.
+                    extra = chunk * sim.S * _size(dtype)
+                    sim.t.add(extra, "comm")
+                    sim.t.add(-extra, "comm")
+                self.gathers.append((send, out))
+        self.state = ShardedState.GATHERING
+
+    def wait_unshard(self) -> None:
+        if self.state is ShardedState.UNSHARDED:
+            return
+        self.unshard()
+        self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        for send, out in self.gathers:
+            self.sim.release(send)
+            self.sim.release(out)
+        self.gathers.clear()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.state is ShardedState.SHARDED:
+            return
+        self.wait_unshard()
+        self.sim.t.add(-self.cost.unsharded_bytes, "unsharded")
+        self.state = ShardedState.SHARDED
+
+    def has_unreduced_grads(self) -> bool:
+        return self.unreduced
+
+    def reduce_grads(self) -> Sequence[_SimReduce]:
+        self.unreduced = False
+        c, sim = self.cost, self.sim
+        if not c.reduce:
+            return ()
+        parts = []
+        for rdtype, n, kept in c.reduce:
+            rsize = _size(rdtype)
+            if sim.S > 1:
+                send = sim.get(n * sim.S, rdtype)
+                out = n * rsize  # fresh reduce-scatter output
+                # gloo reduces a copy of the whole input, kept by the pending work.
+                extra = n * sim.S * rsize if sim.scratch else 0
+            else:
+                send = None
+                out = n * rsize  # the packed buffer itself becomes the gradients
+                extra = 0
+            sim.t.add(out, "grads")
+            sim.t.add(extra, "comm")
+            parts.append((send, out, extra, kept))
+        if not c.direct:
+            sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
+        return (_SimReduce(self, parts),)
+
+
+class _SimReduce:
+    def __init__(self, unit: _SimUnit, parts: list) -> None:
+        self.unit, self.parts = unit, parts
+
+    def finish(self) -> None:
+        sim = self.unit.sim
+        for send, out, extra, kept in self.parts:
+            if send is not None:
+                sim.release(send)
+            sim.t.add(-extra, "comm")
+            # What stays as the sharded gradient: the output itself (views) and/or copies
+            # cast back to the master dtype.
+            sim.t.add(kept - out, "grads")
+            sim.grads_alive += kept
+        if self.unit.cost.direct:
+            sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")  # replaced by the result
+
+
 class _Sim:
     def __init__(self, costs: list[UnitCost], shard_size: int, reshard_after_forward: bool,
-                 acts: StepActivations, scratch: bool) -> None:
+                 acts: StepActivations, scratch: bool, limits: Limits) -> None:
         self.costs = costs
         self.S = shard_size
-        self.reshard_after_forward = reshard_after_forward
         self.acts = acts
         self.scratch = scratch  # gloo copies whole collective buffers while in flight
         self.t = _Tally()
         self.pool = BufferPool()
-        self.state = ["sharded"] * len(costs)
-        self.gathers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in costs]
-        self.pending: deque[tuple[int, list]] = deque()
+        self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
+        self.schedule: Schedule[_SimUnit] = Schedule(self.units, limits)
         self.grads_alive = 0
 
     # --- the pool, through the engine's own class -------------------------------------------
 
-    def _get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         before = self.pool.allocated_bytes
         buf = self.pool.get(numel, dtype, META)
         self.t.add(self.pool.allocated_bytes - before, "comm")
         return buf
 
-    def _release(self, buf: torch.Tensor) -> None:
+    def release(self, buf: torch.Tensor) -> None:
         before = self.pool.allocated_bytes
         self.pool.release(buf)
         self.t.add(self.pool.allocated_bytes - before, "comm")
 
-    # --- unit state machine (engine/unit.py) ------------------------------------------------
+    # --- phases: where the step is, as the engine's hooks report it -----------------------
 
-    def unshard(self, i: int) -> None:
-        if self.state[i] != "sharded":
-            return
-        if self.S > 1:
-            for dtype, chunk in self.costs[i].gather:
-                send = self._get(chunk, dtype)
-                out = self._get(chunk * self.S, dtype)
-                if self.scratch:
-                    # gloo gathers into a flat output of its own and copies it out: a copy
-                    # that lives while the all-gather runs, which is right after issue.
-                    extra = chunk * self.S * _size(dtype)
-                    self.t.add(extra, "comm")
-                    self.t.add(-extra, "comm")
-                self.gathers[i].append((send, out))
-        self.state[i] = "gathering"
-
-    def wait_unshard(self, i: int) -> None:
-        if self.state[i] == "unsharded":
-            return
-        self.unshard(i)
-        self.t.add(self.costs[i].unsharded_bytes, "unsharded")
-        for send, out in self.gathers[i]:
-            self._release(send)
-            self._release(out)
-        self.gathers[i].clear()
-        self.state[i] = "unsharded"
-
-    def reshard(self, i: int) -> None:
-        if self.state[i] == "sharded":
-            return
-        self.wait_unshard(i)
-        self.t.add(-self.costs[i].unsharded_bytes, "unsharded")
-        self.state[i] = "sharded"
-
-    def prefetch(self, i: int) -> None:
-        in_flight = sum(1 for s in self.state if s == "gathering")
-        if 0 <= i < len(self.costs) and self.state[i] == "sharded" \
-                and in_flight < MAX_GATHERS_IN_FLIGHT:
-            self.unshard(i)
-
-    def reduce(self, i: int) -> None:
-        c = self.costs[i]
-        if not c.reduce:
-            return
-        parts = []
-        for rdtype, n, kept in c.reduce:
-            rsize = _size(rdtype)
-            if self.S > 1:
-                send = self._get(n * self.S, rdtype)
-                out = n * rsize  # fresh reduce-scatter output
-                # gloo reduces a copy of the whole input, kept by the pending work.
-                extra = n * self.S * rsize if self.scratch else 0
-            else:
-                send = None
-                out = n * rsize  # the packed buffer itself becomes the gradients
-                extra = 0
-            self.t.add(out, "grads")
-            self.t.add(extra, "comm")
-            parts.append((send, out, extra, kept))
-        if not c.direct:
-            self.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
-        self.pending.append((i, parts))
-        while len(self.pending) > MAX_REDUCES_IN_FLIGHT:
-            self.finish(*self.pending.popleft())
-
-    def finish(self, i: int, parts: list) -> None:
-        for send, out, extra, kept in parts:
-            if send is not None:
-                self._release(send)
-            self.t.add(-extra, "comm")
-            # What stays as the sharded gradient: the output itself (views) and/or copies
-            # cast back to the master dtype.
-            self.t.add(kept - out, "grads")
-            self.grads_alive += kept
-        if self.costs[i].direct:
-            self.t.add(-self.costs[i].full_grad_bytes, "full_grads")  # replaced by the result
-
-    # --- phases ------------------------------------------------------------------------------
-
-    def forward(self, first: bool) -> None:
-        n, a = len(self.costs), self.acts
-        for i in range(n):
-            self.wait_unshard(i)
-            if not first:
-                self.prefetch(i + 1)
-            self.t.add(a.layer * self.costs[i].layers, "acts")
-            if self.reshard_after_forward and i != 0:
-                self.reshard(i)
+    def forward(self) -> None:
+        sched, a, units = self.schedule, self.acts, self.units
+        sched.begin_forward()
+        for u in units:  # the root's pre-hook runs first, its post-hook last
+            sched.pre_forward(u)
+            self.t.add(a.layer * u.cost.layers, "acts")
+            if not u.is_root:
+                sched.post_forward(u)
         self.t.add(a.head, "acts")  # the root's head and loss run last
         self.t.add(a.head_transient, "acts")
         self.t.add(-a.head_transient, "acts")
-        for i in range(n):
-            if self.state[i] == "gathering":  # a prefetch nobody used
-                self.reshard(i)
+        sched.post_forward(units[0])
+        sched.end_forward(backward_follows=True)
 
     def backward(self) -> None:
-        n, a = len(self.costs), self.acts
-        root = self.costs[0]
+        sched, a, units = self.schedule, self.acts, self.units
+        root = units[0]
         # Loss and head: logits' gradients, the root's full gradients (head weight) appear.
-        self.wait_unshard(0)
-        self.t.add(root.full_grad_bytes, "full_grads")
+        sched.pre_backward(root)
+        self.t.add(root.cost.full_grad_bytes, "full_grads")
+        root.unreduced = True
         self.t.add(a.head_transient, "acts")
         self.t.add(-a.head_transient - a.head, "acts")
-        for i in range(n - 1, 0, -1):
-            c = self.costs[i]
-            self.wait_unshard(i)
-            self.prefetch(i - 1)
-            self._compute_backward(a.layer * c.layers, a.layer_backward * c.layers,
-                                   c.full_grad_bytes)
-            self.reduce(i)
-            self.reshard(i)
-        # Blocks attributed to the root (no unit of their own) run inside its backward.
-        self._compute_backward(a.layer * root.layers, a.layer_backward * root.layers, 0)
-        self.reduce(0)
-        while self.pending:
-            self.finish(*self.pending.popleft())
-        for i in range(n):
-            self.reshard(i)
+        for u in reversed(units[1:]):
+            sched.pre_backward(u)
+            self._compute_backward(a.layer * u.cost.layers, a.layer_backward * u.cost.layers,
+                                   u.cost.full_grad_bytes)
+            u.unreduced = True
+            sched.post_backward(u)
+        # Blocks attributed to the root (no unit of their own) run inside its backward; the
+        # root's inputs need no gradient, so its reduction comes from the final callback.
+        self._compute_backward(a.layer * root.cost.layers, a.layer_backward * root.cost.layers,
+                               0)
+        sched.end_backward()
 
     def _compute_backward(self, saved: int, transient: int, full_grads: int) -> None:
         """One unit's backward: its gradients in flight appear; as autograd walks back
@@ -248,15 +262,16 @@ class _Sim:
 
 def simulate(costs: list[UnitCost], *, shard_size: int, reshard_after_forward: bool,
              acts: StepActivations, static_bytes: int, optimizer_bytes: int,
-             optimizer_temp_bytes: int, scratch: bool) -> PhasePeaks:
+             optimizer_temp_bytes: int, scratch: bool,
+             limits: Limits = DEFAULT_LIMITS) -> PhasePeaks:
     """Peaks by phase over two steps (the first builds optimizer state, the second prefetches
     in forward too). `static_bytes`: held throughout (parameter shards, buffers)."""
-    sim = _Sim(costs, shard_size, reshard_after_forward, acts, scratch)
+    sim = _Sim(costs, shard_size, reshard_after_forward, acts, scratch, limits)
     sim.t.add(static_bytes, "static")
     sim.t.mark()
     peaks = PhasePeaks()
     for first in (True, False):
-        sim.forward(first)
+        sim.forward()
         peaks.forward = max(peaks.forward, sim.t.mark())
         sim.backward()
         peaks.backward = max(peaks.backward, sim.t.mark())
@@ -267,4 +282,6 @@ def simulate(costs: list[UnitCost], *, shard_size: int, reshard_after_forward: b
     peaks.unsharded = pp.get("unsharded", 0)
     peaks.comm_buffers = pp.get("comm", 0)
     peaks.activations = pp.get("acts", 0)
+    peaks.gathers_in_flight = sim.schedule.most_gathers
+    peaks.reduces_in_flight = sim.schedule.most_reduces
     return peaks

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..observe.events import wire_bytes
+from ..engine.events import wire_bytes
 from .memory import UnitCost, _size
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import TransformerShape
@@ -42,7 +42,7 @@ class Collective:
     @property
     def sent_bytes(self) -> int:
         """Bytes this rank sends (and receives) in a ring: the one definition the engine's
-        events use too ([Note: communication bytes] in observe/events.py)."""
+        events use too ([Note: communication bytes] in engine/events.py)."""
         return wire_bytes(self.kind, self.buffer_bytes, self.group)
 
     @property

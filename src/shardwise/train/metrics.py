@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import torch
 
-from ..observe.events import Event
+from ..engine.events import Event
 
 MB = 2**20
 # Bytes per parameter of training state under AdamW in fp32: the parameter, its gradient,
@@ -40,7 +40,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class ByteCounter:
     """An event sink summing, per step, the bytes this rank sent (and received alike)
-    through collectives: [Note: communication bytes] in observe/events.py."""
+    through collectives: [Note: communication bytes] in engine/events.py."""
 
     def __init__(self) -> None:
         self.by_step: dict[int, dict[str, int]] = {}

@@ -232,28 +232,35 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
     (the reduced shard); all_reduce/broadcast: numel of the tensor.
     """
     from shardwise.engine import collectives as C
+    from shardwise.engine import transport as T
 
     log: list[tuple[str, str, int, torch.dtype]] = []
-    orig = {n: getattr(C, n) for n in ("all_gather", "reduce_scatter_sum", "all_reduce",
-                                       "broadcast")}
+    # Units move buffers through their group's transport object; other callers use C.
+    patched: list[tuple[Any, str, Any]] = [
+        (T.Transport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
+        (T.AllToAllTransport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
+        (T.Transport, "reduce_scatter", lambda self, out, full, *a, **k: out),
+        (T.AllToAllTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
+        (C, "all_reduce", lambda t, *a, **k: t),
+        (C, "broadcast", lambda t, *a, **k: t),
+    ]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patched]
 
-    def wrap(fn_name: str, op: str, numel_of: Callable[..., torch.Tensor]):
+    def wrap(orig: Callable[..., Any], op: str, tensor_of: Callable[..., torch.Tensor]):
         def call(*args: Any, **kwargs: Any) -> Any:
-            t = numel_of(*args, **kwargs)
+            t = tensor_of(*args, **kwargs)
             log.append((op, kwargs.get("label", ""), t.numel(), t.dtype))
-            return orig[fn_name](*args, **kwargs)
+            return orig(*args, **kwargs)
         return call
 
-    C.all_gather = wrap("all_gather", "all_gather", lambda out, shard, *a, **k: shard)
-    C.reduce_scatter_sum = wrap("reduce_scatter_sum", "reduce_scatter",
-                                lambda out, full, *a, **k: out)
-    C.all_reduce = wrap("all_reduce", "all_reduce", lambda t, *a, **k: t)
-    C.broadcast = wrap("broadcast", "broadcast", lambda t, *a, **k: t)
+    for (owner, name, tensor_of), (_, _, orig) in zip(patched, saved):
+        setattr(owner, name, wrap(orig, name,
+                                  tensor_of))
     try:
         yield log
     finally:
-        for n, f in orig.items():
-            setattr(C, n, f)
+        for owner, name, orig in saved:
+            setattr(owner, name, orig)
 
 
 def count(log: list[tuple[str, str, int, torch.dtype]], op: str) -> int:

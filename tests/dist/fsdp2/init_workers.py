@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
 from shardwise.engine.dtensor import local_of
-from shardwise.engine.fully_shard import units_of
+from shardwise.engine.inspect import units_of
 from tests.dist.fsdp2.common import (
     Expect,
     check_sharded_parity,

@@ -9,7 +9,7 @@ summary, metrics.jsonl, traces, the explorer, the planner): the bytes one rank s
 collective, which in a ring it also receives. Over a group of g ranks an all-gather or a
 reduce-scatter of a B-byte buffer sends (g-1)/g * B per rank, an all-reduce twice that
 (`wire_bytes`). An event's `bytes` is the buffer B as the engine allocates it; `group` is
-g, filled in by `attach_sink` from the unit's mesh.
+g, filled in by the engine from the unit's mesh.
 """
 
 from __future__ import annotations
@@ -80,3 +80,21 @@ EventSink = Callable[[Event], None]
 
 def now() -> float:
     return time.perf_counter()
+
+
+class Span:
+    """A timed interval: `with Span() as s: ...`, then `s.start` and `s.seconds`."""
+
+    __slots__ = ("start", "end")
+
+    def __enter__(self) -> Span:
+        self.start = now()
+        self.end = self.start
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = now()
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start

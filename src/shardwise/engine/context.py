@@ -1,0 +1,153 @@
+"""The per-model context: one per sharded root, made when the root is sharded.
+
+It owns what the units under one root share: the step `Schedule` (prefetch order, pending
+reductions, the in-flight limits), the event sinks and the step number events are labelled
+with, and the buffer pool. `fully_shard(module)` makes a context for `module`'s unit and
+takes in the contexts of the units already sharded below it, so the settings a user makes
+before the first forward (sinks, prefetch, limits) live here from the start.
+
+What needs every rank (the layout check) or a finished model (no meta parameters) waits for
+the first forward (`ensure_ready`).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .events import EventSink
+from .schedule import Limits, Schedule, TrainingState
+from .unit import Unit
+
+
+class ModelContext:
+    def __init__(self, top: Unit) -> None:
+        self.top = top
+        self.units: list[Unit] = [top]
+        self.schedule: Schedule[Unit] = Schedule(self.units)
+        self.sinks: list[EventSink] = []
+        # Training step that events are labelled with (observe.sinks.set_step).
+        self.step = 0
+        self.ready = False
+        self._final_queued = False
+
+    @classmethod
+    def create(cls, top: Unit) -> ModelContext:
+        """A context for `top`, taking in every unit already sharded beneath its module."""
+        ctx = cls(top)
+        units = []
+        for name, m in top.module.named_modules():
+            u = getattr(m, "_sw_unit", None)
+            if u is None:
+                continue
+            old = u.ctx
+            if old is not None and old is not ctx:
+                if old.ready:
+                    raise RuntimeError(
+                        f"unit {name!r} already ran forward as its own root; call "
+                        "fully_shard on the blocks first and on the root last, then run "
+                        "forward on the root")
+                ctx.sinks.extend(s for s in old.sinks if s not in ctx.sinks)
+                ctx.schedule.prefetch = ctx.schedule.prefetch and old.schedule.prefetch
+                ctx.schedule.limits = old.schedule.limits
+                ctx.step = max(ctx.step, old.step)
+            ctx._adopt(u, name)
+            units.append(u)
+        ctx.units[:] = units
+        return ctx
+
+    def _adopt(self, u: Unit, name: str) -> None:
+        u.ctx = self
+        u.name = name
+        u.is_root = u is self.top
+        # One pool for the whole model: only a few unit-sized buffers are alive at once.
+        u.pool = self.top.pool
+
+    @property
+    def limits(self) -> Limits:
+        return self.schedule.limits
+
+    @property
+    def in_backward(self) -> bool:
+        return self.schedule.state is TrainingState.PRE_BACKWARD
+
+    # --- first forward ------------------------------------------------------------------
+
+    def ensure_ready(self, unit: Unit) -> ModelContext:
+        """At the first forward through `unit`; returns the context that runs it."""
+        if self.ready:
+            return self
+        if unit is not self.top:
+            # Forward started below the sharded root: that unit's subtree runs on its own
+            # (the root's own first forward then reports the conflict).
+            return ModelContext.create(unit).ensure_ready(unit)
+        taken = [u.label for u in self.units if u.ctx is not self]
+        if taken:
+            raise RuntimeError(
+                f"units {taken[:5]} already belong to another root (they ran forward as their "
+                "own root first); call fully_shard on the blocks first and on the root last, "
+                "and run forward on the root")
+        meta = [p.fqn for u in self.units for p in u.params if p.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are still on the "
+                "meta device: call sw.materialize(model) or sw.load_full_state_dict(model, "
+                "sd) before the first forward")
+        _check_same_layout(self.units)
+        self.ready = True
+        return self
+
+    # --- step boundaries ----------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        if self.schedule.state is TrainingState.PRE_BACKWARD:
+            # A backward that never reached its final callback (e.g. an exception): reset.
+            self.finish_backward()
+        # The user may have frozen or unfrozen parameters since the last step.
+        for u in self.units:
+            u.follow_requires_grad()
+        self.schedule.begin_forward()
+
+    def ensure_backward(self) -> None:
+        """Every backward hook calls this: the first one queues the final callback."""
+        self.schedule.state = TrainingState.PRE_BACKWARD
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """Root final callback: every gradient reduced, every unit sharded."""
+        self.schedule.end_backward()
+        self._final_queued = False
+
+
+def context_of(model: nn.Module) -> ModelContext | None:
+    """The context of the sharded root at or below `model` (None: nothing sharded)."""
+    for m in model.modules():
+        u = getattr(m, "_sw_unit", None)
+        if u is not None:
+            return u.ctx
+    return None
+
+
+def _check_same_layout(units: list[Unit]) -> None:
+    """Every rank must shard the same model the same way, or collectives would mismatch.
+
+    One small all-reduce at the first forward turns a diverging rank (another model, other
+    shapes, another wrap policy) into an error on every rank instead of a hang or garbage.
+    """
+    desc = ";".join(
+        f"{u.name}:" + ",".join(f"{tuple(p.orig_shape)}{p.orig_dtype}{p.compute_dtype}"
+                                for p in u.params)
+        for u in units
+    )
+    fingerprint = zlib.crc32(desc.encode()) & 0x7FFFFFFF
+    if not C.same_on_all(fingerprint, label="layout check"):
+        raise RuntimeError(
+            f"rank {C.rank()}: ranks disagree on the sharded model ({len(units)} units here, "
+            f"layout fingerprint {fingerprint}); every rank must build the same model and call "
+            "shard_model/fully_shard with the same arguments"
+        )

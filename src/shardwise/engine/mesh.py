@@ -1,0 +1,97 @@
+"""The process groups a unit communicates over, from what the user passed.
+
+`mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
+shard) is HYBRID_SHARD. Each mesh chooses its transport once (transport.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import collectives as C
+from . import dtensor as DT
+from .policies import ShardingStrategy
+from .transport import Transport, transport_for
+
+
+@dataclass
+class MeshInfo:
+    """The process groups a unit communicates over."""
+
+    shard_group: ProcessGroup | None
+    shard_rank: int
+    shard_size: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    device: torch.device
+    global_rank: int = 0
+    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
+    device_mesh: DeviceMesh | None = None
+    # How the shard group moves flat buffers: decided once, when the mesh is made.
+    transport: Transport = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.transport = (transport_for(self.shard_group) if self.shard_size > 1
+                          else Transport(None))
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: gradients are averaged over all of them."""
+        return self.shard_size * self.replicate_size
+
+
+def default_device() -> torch.device:
+    if C.is_initialized() and C.backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_info_for(mesh: object | None) -> MeshInfo:
+    """MeshInfo from None (the whole world), a 1-D DeviceMesh, or a 2-D one (replicate, shard)."""
+    device = default_device()
+    grank = C.rank()
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    if mesh is None:
+        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
+        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
+    ndim = getattr(mesh, "ndim", None)
+    if not isinstance(mesh, DeviceMesh):
+        ndim = None  # not a DeviceMesh, whatever its ndim says
+    if ndim == 1:
+        g = mesh.get_group()  # type: ignore[attr-defined]
+        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
+    if ndim == 2:
+        rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
+        return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
+                        device, grank, mesh)  # type: ignore[arg-type]
+    raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
+
+
+def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object | None:
+    """What shard_model's `sharding_strategy` makes of `mesh`: a MeshInfo, or the mesh."""
+    world = C.world_size()
+    if strategy is ShardingStrategy.NO_SHARD:
+        return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if mesh is not None:
+            if getattr(mesh, "ndim", None) != 2:
+                raise ValueError(f"HYBRID_SHARD needs a 2-D DeviceMesh (replicate, shard), "
+                                 f"got {mesh!r}")
+            return mesh
+        local = C.env_int("LOCAL_WORLD_SIZE", world)
+        if local < 1 or world % local:
+            raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
+                             f"world size {world}")
+        shard_g, rep_g = C.new_groups_2d(world // local, local)
+        dev = default_device()
+        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
+        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
+                        C.rank(), dmesh)
+    if mesh is not None and getattr(mesh, "ndim", None) == 2:
+        raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
+    return mesh
