@@ -36,7 +36,7 @@ from .manifest import (
 )
 from .reader import RowReader, check_size, verify_files
 from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
-from .slots import ModelView, Slot, model_view
+from .slots import ModelView, Slot, model_view, set_plain
 from .sync import agreed, as_error
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ def load_checkpoint(
         units = units_of(model)
         device = units[0].mesh.device if units else torch.device("cpu")
         for key, t, rows in plain:
-            _set_plain(model, key, t, rows.reshape(t.shape), device)
+            set_plain(model, key, t, rows.reshape(t.shape), device)
     if optimizer is not None:
         optimizer.load_state_dict(opt_sd)
     return m.extra
@@ -291,18 +291,3 @@ def _check_model(view: ModelView, m: Manifest, where: str) -> None:
             shape = info.shape if info is not None else "?"
             raise CheckpointError(f"{where} does not match the model: {key} (shape {shape}) "
                                   f"is in the checkpoint but not in the model")
-
-
-def _set_plain(model: nn.Module, key: str, t: torch.Tensor, value: torch.Tensor,
-               device: torch.device) -> None:
-    """A buffer or an unsharded parameter: copy in place, or replace a meta-device one."""
-    if not t.is_meta:
-        t.copy_(value)
-        return
-    mod_name, _, name = key.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    value = value.to(device=device, dtype=t.dtype, copy=True)
-    if name in mod._buffers:
-        mod._buffers[name] = value
-    else:
-        mod._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)

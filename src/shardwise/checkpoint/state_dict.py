@@ -11,6 +11,7 @@ from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.sharded_param import ShardedParam
+from .slots import set_plain
 from .sync import agreed
 
 
@@ -137,19 +138,4 @@ def load_full_state_dict(
                 sp.set_full(full.to(sp.orig_dtype))
                 done.add(id(sp))
         else:
-            _set_plain(model, key, t, full)
-
-
-def _set_plain(model: nn.Module, key: str, t: torch.Tensor, full: torch.Tensor) -> None:
-    """A buffer or an unsharded (ignored) parameter: replace meta tensors, else copy."""
-    mod_name, _, name = key.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    with torch.no_grad():
-        if t.is_meta:
-            value = full.detach().clone()
-            if name in mod._buffers:
-                mod._buffers[name] = value
-            else:
-                mod._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)
-        else:
-            t.copy_(full)
+            set_plain(model, key, t, full)
