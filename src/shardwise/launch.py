@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -38,6 +37,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .engine.distributed import free_port
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,6 @@ class WorkerFailure(RuntimeError):
         super().__init__(message)
         self.rank, self.message, self.exit_code = rank, message, exit_code
         self.traceback = traceback
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def under_torchrun() -> bool:

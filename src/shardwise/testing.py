@@ -12,17 +12,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .engine.distributed import free_port
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,

@@ -117,8 +117,9 @@ def states_case(rank: int, world: int, cfg_kw: dict, cases: list[tuple[str, str 
 
 def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
                       steps: int, rounds: int = 5, clock: str = "cpu") -> dict:
-    """Peak RSS growth over `steps` steps vs the planned total, then step time vs a
-    calibrated plan, on the same model."""
+    """Peak RSS growth over `steps` steps vs the planned total, then (rounds > 0) step time
+    vs a calibrated plan, on the same model. Timing is for benchmarks/plan_vs_measured.py
+    only: a test sets rounds=0."""
     follow_live_bytes(True)  # before anything large is allocated
     cfg = GPTConfig(**cfg_kw)
     with torch.device("meta"):
@@ -141,6 +142,10 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
     hwm = status_kib("VmHWM") * 1024
     mem_plan = plan(meta, world_size=world, batch_size=batch, seq_len=seq,
                     device=cpu_device(ranks_per_node=world), rank=rank)
+    memory = {"rank": rank, "rss_growth": hwm - rss0, "exact_hwm": exact,
+              "planned_total": mem_plan.per_rank.total_bytes, "per_rank": mem_plan.per_rank}
+    if rounds == 0:
+        return memory
 
     # Calibrate, predict and time one step, back to back, several rounds: on a shared
     # machine the load changes from second to second, so each step is judged against the
@@ -167,8 +172,4 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
                      "comm_s": predicted.comm_s, "gflops": cal.flops["fp32"] / 1e9,
                      "attention": cal.attention_efficiency,
                      "elementwise_gbs": cal.elementwise_bandwidth / 1e9})
-    return {
-        "rank": rank, "rss_growth": hwm - rss0, "exact_hwm": exact,
-        "planned_total": mem_plan.per_rank.total_bytes, "per_rank": mem_plan.per_rank,
-        "time_ratio": statistics.median(ratios), "rounds": rows,
-    }
+    return {**memory, "time_ratio": statistics.median(ratios), "rounds": rows}

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 import shardwise as sw
+from shardwise.engine.inspect import units_of
 from tests.models import loss_fn, make_batch, make_model
 
 PER_RANK = 4
@@ -32,8 +33,8 @@ def traced(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             t.step(step)
             _train_step(model, opt, seed=step * 10 + rank)
     # The bytes one all-gather of each unit moves, from the unit's own flat layout.
-    units = [m._sw_unit for m in model.modules() if getattr(m, "_sw_unit", None) is not None]
-    gather = {u.name: sum(g.numel * u.mesh.shard_size * g.dtype.itemsize for g in u.groups)
+    units = units_of(model)
+    gather = {u.name: sum(b.numel * u.mesh.shard_size * b.dtype.itemsize for b in u.buckets)
               for u in units}
     refused = ""
     try:

@@ -1,7 +1,7 @@
 """`shardwise train` under faults: non-finite steps, a NaN checkpoint, a rank SIGKILLed mid-run.
 
 Divergence is real (lr 1e30 overflows the weights after one step); a NaN on one rank only
-and the kill use the trainer's test hooks (SHARDWISE_TEST_*, shardwise/train/guard.py).
+and the kill use the trainer's fault injector (SHARDWISE_TEST_*, shardwise/train/faults.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwise.train import options as O
+from shardwise.train.faults import FaultInjector
 from shardwise.train.guard import NonFiniteError, NonFiniteGuard
 from shardwise.train.metrics import read_metrics
 from tests.e2e.test_train import TIMEOUT_S, ok
@@ -78,6 +79,21 @@ def test_guard_stop_skip_and_the_limit() -> None:
     g = NonFiniteGuard("skip", 10, scaler_handles_grads=True)
     assert g.check(1, 2.5, math.inf) and g.skipped == 0
     assert not g.check(2, math.inf, math.inf) and g.skipped == 1
+
+
+def test_fault_injector_exists_only_when_a_test_asks_for_one() -> None:
+    assert FaultInjector.from_env({}) is None  # a normal run: no fault checks per step
+    faults = FaultInjector.from_env({"SHARDWISE_TEST_NAN_AT_STEPS": "3,4"})
+    assert faults is not None and faults.nan_at == {3, 4} and not faults.kill_at
+    one = torch.tensor(1.0)
+    assert math.isnan(faults.loss(one, 3, rank=1).item())
+    assert faults.loss(one, 3, rank=0).item() == 1.0  # only rank 1: the ranks must agree
+    assert faults.loss(one, 5, rank=1).item() == 1.0
+    crash = FaultInjector.from_env({"SHARDWISE_TEST_CRASH_AT_STEP": "2"})
+    assert crash is not None
+    crash.before_step(1, rank=1)
+    with pytest.raises(RuntimeError, match="test crash at step 2"):
+        crash.before_step(2, rank=1)
 
 
 def test_on_nonfinite_is_validated() -> None:

@@ -65,21 +65,28 @@ def test_run_config_names_the_bad_value() -> None:
 
 
 def test_caution_volumes_follow_the_ring_formulas() -> None:
-    P = 1000
-    full = C.comm_bytes_per_rank(P, "FULL_SHARD", 4, 4, "none")
-    assert full == {"all_gather": 2 * 0.75 * P * 4, "reduce_scatter": 0.75 * P * 4}
-    grad_op = C.comm_bytes_per_rank(P, "SHARD_GRAD_OP", 4, 4, "bf16")
-    assert grad_op["all_gather"] == 0.75 * P * 2
-    assert C.comm_bytes_per_rank(P, "NO_SHARD", 4, 4, "none") == {"all_reduce": 1.5 * P * 4}
-    hybrid = C.comm_bytes_per_rank(P, "HYBRID_SHARD", 4, 2, "none")
-    assert hybrid["all_reduce"] == 2 * 0.5 * (P / 2) * 4
+    """The panel's bytes (the planner's) against ring volumes written out by hand: a ring
+    all-gather or reduce-scatter over S ranks sends (S-1)/S of the buffer from each rank, an
+    all-reduce twice that; parameters travel in the compute dtype, gradients in fp32."""
+    P = C.REF_PARAMS
+    # The root unit (tied embedding 32000 x 4096, final norm 4096) stays gathered from
+    # forward to backward, so FULL_SHARD gathers it once and every block twice.
+    root = 32000 * 4096 + 4096
+    full = C.caution(RunConfig(world_size=4).to_json())["bytes_per_rank"]
+    assert full["all_gather"] == pytest.approx(0.75 * (2 * P - root) * 4, rel=1e-6)
+    assert full["reduce_scatter"] == pytest.approx(0.75 * P * 4, rel=1e-6)
+    grad_op = C.caution(RunConfig(world_size=4, strategy="SHARD_GRAD_OP",
+                                  mixed_precision="bf16").to_json())["bytes_per_rank"]
+    assert grad_op["all_gather"] == pytest.approx(0.75 * P * 2, rel=1e-6)
+    assert grad_op["reduce_scatter"] == pytest.approx(0.75 * P * 4, rel=1e-6)
+    no_shard = C.caution(RunConfig(world_size=4, strategy="NO_SHARD").to_json())
+    assert no_shard["bytes_per_rank"]["all_reduce"] == pytest.approx(1.5 * P * 4, rel=1e-6)
     for cfg in (RunConfig(), RunConfig(strategy="HYBRID_SHARD", mixed_precision="bf16"),
                 RunConfig(world_size=1, wrap="model")):
         out = C.caution(cfg.to_json())
-        # The planner has landed: the page must show its numbers, not the fallback's.
         assert out["source"] == "planner" and len(out["links"]) == 4
         assert out["total_bytes_per_rank"] >= 0 and out["compute_s"] > 0
-    links = C._from_formula(RunConfig().to_json())["links"]
+    links = C.caution(RunConfig(world_size=4).to_json())["links"]
     assert links[-1]["seconds"] > links[0]["seconds"]  # Ethernet is slower than NVLink
 
 

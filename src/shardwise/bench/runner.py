@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine import collectives as C
 from .systems import SYSTEMS, model_state_bytes
 
 
@@ -79,13 +80,11 @@ def _reset_peak() -> None:
 
 
 def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
-    import torch.distributed as dist
-
     from ..train.model import GPT
 
     cfg = make_config(bc.preset, bc.seq_len)
     gc.collect()
-    dist.barrier()
+    C.barrier(label=f"bench: before building {name}")
     base = _rss_now()
     _reset_peak()
     torch.manual_seed(seed)
@@ -97,7 +96,7 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
     y = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g)
     times = []
     for step in range(bc.steps + 1):
-        dist.barrier()
+        C.barrier(label="bench: step start")  # every rank starts the clock together
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()

@@ -33,7 +33,7 @@ from .safetensors_io import Entry, StreamWriter, fsync_dir, write_text
 from .sharded import PathLike
 from .slots import model_view, writes_shards
 from .state_dict import gather_full
-from .sync import agree, as_error
+from .sync import agreed, as_error
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
 SINGLE = "model.safetensors"
@@ -162,10 +162,9 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     Every rank must call it (tensors are all-gathered one at a time); rank 0 writes. Returns
     the paths of the weight files (on every rank).
     """
-    err: BaseException | None = None
     writer: ConsolidatedWriter | None = None
     names: list[str] = []
-    try:
+    with agreed(as_error):  # the checks raise no OSError: only the writer's is converted
         _check_limit(max_shard_bytes)
         out = os.path.abspath(check_path("path", path))
         check_module("model", model)
@@ -181,16 +180,12 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
             dtype = e.sp.orig_dtype if e.sp is not None else e.tensor.dtype
             entries.append(Entry(e.key, dtype, e.shape))
         if C.rank() == 0:
-            try:
-                writer = ConsolidatedWriter(out, entries, max_shard_bytes,
-                                            _metadata(view.aliases))
-                names = [os.path.join(writer.out_dir, n) for n in writer.names]
-            except Exception as e:  # noqa: BLE001 - must reach agree()
-                err = as_error(e)
-    except Exception as e:  # noqa: BLE001 - must reach agree()
-        err = e
-    agree(err)
+            writer = ConsolidatedWriter(out, entries, max_shard_bytes, _metadata(view.aliases))
+            names = [os.path.join(writer.out_dir, n) for n in writer.names]
 
+    # Rank 0 keeps going after a failed write: the other ranks still gather every tensor
+    # with it, and all raise together at the end.
+    err: BaseException | None = None
     for e in view.entries:
         if e.sp is not None:
             if not writes_shards(e.sp):
@@ -201,16 +196,15 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
         if writer is not None and err is None:
             try:
                 writer.write(e.key, full)
-            except Exception as ex:  # noqa: BLE001 - must reach agree()
+            except Exception as ex:  # noqa: BLE001 - must reach the agreement below
                 err = as_error(ex)
                 writer.abort()
         del full  # one full tensor at a time
-    if writer is not None and err is None:
-        try:
+    with agreed(as_error):
+        if err is not None:
+            raise err
+        if writer is not None:
             writer.close()
-        except Exception as ex:  # noqa: BLE001 - must reach agree()
-            err = as_error(ex)
-    agree(err)
     n = C.all_gather_bytes(json.dumps(names).encode())[0]  # rank 0 knows the names
     return list(json.loads(n))
 

@@ -2,7 +2,7 @@
 
 See [Note: checkpoint format] (manifest.py) for what is on disk and [Note: atomic publish]
 (atomic.py) for why a crash never leaves a checkpoint that loads wrongly. Every check that
-can fail on one rank is agreed on by all (`_agree`), so an error raises everywhere and no
+can fail on one rank is agreed on by all (`sync.agreed`), so an error raises everywhere and no
 rank is left waiting in a collective.
 """
 
@@ -36,8 +36,8 @@ from .manifest import (
 )
 from .reader import RowReader, check_size, verify_files
 from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
-from .slots import ModelView, Slot, model_view, own_rows, stored_rows
-from .sync import agree, as_error
+from .slots import ModelView, Slot, model_view, own_rows, set_plain, stored_rows
+from .sync import agreed, as_error
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,8 @@ def save_checkpoint(
     anything is written, unless `allow_nonfinite` (see finite.py; the check reads each
     tensor once, about 3% of a save).
     """
-    err: BaseException | None = None
     target = ""
-    try:
+    with agreed():
         target = _target(path)
         check_module("model", model)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)
@@ -104,45 +103,31 @@ def save_checkpoint(
         check_bool("allow_nonfinite", allow_nonfinite)
         if not allow_nonfinite:
             check_finite(slots, C.rank())
-    except Exception as e:  # noqa: BLE001 - must reach agree()
-        err = e
-    agree(err)
 
-    if C.rank() == 0:
-        try:
+    with agreed(as_error):
+        if C.rank() == 0:
             atomic.prepare(target)
-        except Exception as e:  # noqa: BLE001 - must reach agree()
-            err = as_error(e)
-    agree(err)
+
+    def discard() -> None:  # a failed save leaves no partial directory behind
+        if C.rank() == 0:
+            atomic.discard(target)
 
     partial = atomic.partial_path(target)
     report: dict[str, Any] = {}
-    try:
+    with agreed(as_error, cleanup=discard):
         report = _write_rank_file(partial, slots)
         report["optim_state"] = opt_state
-    except Exception as e:  # noqa: BLE001 - must reach agree()
-        err = as_error(e)
-    _fail_cleanly(err, target)
     atomic.crash_point("files_written")
 
     reports = [json.loads(b) for b in C.gather_bytes(json.dumps(report).encode())]
-    if C.rank() == 0:
-        try:
+    with agreed(as_error, cleanup=discard):
+        if C.rank() == 0:
             m = _merge(reports, view, opt_json, step, extra)
             write_text(os.path.join(partial, MANIFEST), m.to_json())
             fsync_dir(partial)
             atomic.crash_point("manifest_written")
             atomic.publish(target)
             log.info("saved checkpoint %s (step %s, %d files)", target, step, len(m.files))
-        except Exception as e:  # noqa: BLE001 - must reach agree()
-            err = as_error(e)
-    _fail_cleanly(err, target)
-
-
-def _fail_cleanly(err: BaseException | None, target: str) -> None:
-    if not C.agree(err is None) and C.rank() == 0:
-        atomic.discard(target)
-    agree(err)
 
 
 def _write_rank_file(partial: str, slots: list[Slot]) -> dict[str, Any]:
@@ -229,10 +214,9 @@ def load_checkpoint(
     was read successfully; a missing, truncated or corrupted file, or a checkpoint of a
     different architecture, raises CheckpointError on every rank.
     """
-    err: BaseException | None = None
     m: Manifest | None = None
     ckpt = ""
-    try:
+    with agreed():
         target = _target(path)
         check_module("model", model)
         _check_optimizer(optimizer)
@@ -252,36 +236,29 @@ def load_checkpoint(
             optim_state.check(optimizer, view, m, ckpt)
         for name, info in sorted(m.files.items()):
             check_size(os.path.join(ckpt, name), info["bytes"])
-    except Exception as e:  # noqa: BLE001 - must reach agree()
-        err = e
-    agree(err)
     assert m is not None
 
     if verify:
-        try:
+        with agreed():
             verify_files(ckpt, m, C.rank(), C.world_size())
-        except Exception as e:  # noqa: BLE001 - must reach agree()
-            err = e
-        agree(err)
 
     staged: list[tuple[ShardedParam, torch.Tensor]] = []
     plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     opt_sd = None
     reader = RowReader(ckpt, m)
-    try:
-        for e in view.entries:
-            name = model_name(m.aliases.get(e.key, e.key))
-            if e.sp is not None:
-                staged.append((e.sp, own_rows(e.sp, reader.read(name, *stored_rows(e.sp)))))
-            else:
-                plain.append((e.key, e.tensor, reader.read(name, 0, m.tensors[name].dim0)))
-        if optimizer is not None:
-            opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
-    except Exception as e:  # noqa: BLE001 - must reach agree()
-        err = as_error(e)
-    finally:
-        reader.close()
-    agree(err)
+    with agreed(as_error):
+        try:
+            for e in view.entries:
+                name = model_name(m.aliases.get(e.key, e.key))
+                if e.sp is not None:
+                    staged.append((e.sp, own_rows(e.sp, reader.read(name, *stored_rows(e.sp)))))
+                else:
+                    plain.append((e.key, e.tensor,
+                                  reader.read(name, 0, m.tensors[name].dim0)))
+            if optimizer is not None:
+                opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
+        finally:
+            reader.close()
 
     # Everything was read: commit (no collectives and nothing that can fail on bad data).
     with torch.no_grad():
@@ -291,7 +268,7 @@ def load_checkpoint(
         units = units_of(model)
         device = units[0].mesh.device if units else torch.device("cpu")
         for key, t, rows in plain:
-            _set_plain(model, key, t, rows.reshape(t.shape), device)
+            set_plain(model, key, t, rows.reshape(t.shape), device)
     if optimizer is not None:
         optimizer.load_state_dict(opt_sd)
     return m.extra
@@ -314,18 +291,3 @@ def _check_model(view: ModelView, m: Manifest, where: str) -> None:
             shape = info.shape if info is not None else "?"
             raise CheckpointError(f"{where} does not match the model: {key} (shape {shape}) "
                                   f"is in the checkpoint but not in the model")
-
-
-def _set_plain(model: nn.Module, key: str, t: torch.Tensor, value: torch.Tensor,
-               device: torch.device) -> None:
-    """A buffer or an unsharded parameter: copy in place, or replace a meta-device one."""
-    if not t.is_meta:
-        t.copy_(value)
-        return
-    mod_name, _, name = key.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    value = value.to(device=device, dtype=t.dtype, copy=True)
-    if name in mod._buffers:
-        mod._buffers[name] = value
-    else:
-        mod._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)

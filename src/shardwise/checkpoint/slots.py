@@ -135,3 +135,20 @@ def model_view(model: nn.Module) -> ModelView:
         if getattr(p, "_sw_param", None) is None:
             params.setdefault(id(p), (name, None))
     return ModelView(entries, keys, aliases, params)
+
+
+def set_plain(model: nn.Module, key: str, t: torch.Tensor, value: torch.Tensor,
+              device: torch.device | None = None) -> None:
+    """Write a buffer or an unsharded (ignored) parameter `t` (`model`'s `key`): copy in
+    place, or replace a meta-device one with a real tensor (on `device`, else `value`'s)."""
+    with torch.no_grad():
+        if not t.is_meta:
+            t.copy_(value)
+            return
+    mod_name, _, name = key.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    real = value.detach().to(device=device or value.device, dtype=t.dtype, copy=True)
+    if name in mod._buffers:
+        mod._buffers[name] = real
+    else:
+        mod._parameters[name] = nn.Parameter(real, requires_grad=t.requires_grad)

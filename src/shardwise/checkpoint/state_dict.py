@@ -11,7 +11,8 @@ from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.sharded_param import ShardedParam
-from .sync import agree
+from .slots import set_plain
+from .sync import agreed
 
 
 def _sp(t: torch.Tensor) -> ShardedParam | None:
@@ -103,14 +104,13 @@ def load_full_state_dict(
     reshard_between_steps(model, "load_full_state_dict")
     model_sd = model.state_dict(keep_vars=True)
     checker = not from_rank0 or C.rank() == 0
-    err = None
-    if checker:
-        if sd is None:
-            err = "load_full_state_dict got sd=None on a rank that must provide it"
-        else:
-            err = _check(model_sd, sd, strict)
     # Raised on every rank with the failing rank's message, before any tensor moves.
-    agree(ValueError(err) if err else None)
+    with agreed():
+        if checker:
+            err = ("load_full_state_dict got sd=None on a rank that must provide it"
+                   if sd is None else _check(model_sd, sd, strict))
+            if err:
+                raise ValueError(err)
     broadcast = from_rank0 and C.world_size() > 1
     device = torch.device("cpu")
     if broadcast:
@@ -140,19 +140,4 @@ def load_full_state_dict(
                 sp.set_full(full.to(sp.orig_dtype))
                 done.add(id(sp))
         else:
-            _set_plain(model, key, t, full)
-
-
-def _set_plain(model: nn.Module, key: str, t: torch.Tensor, full: torch.Tensor) -> None:
-    """A buffer or an unsharded (ignored) parameter: replace meta tensors, else copy."""
-    mod_name, _, name = key.rpartition(".")
-    mod = model.get_submodule(mod_name)
-    with torch.no_grad():
-        if t.is_meta:
-            value = full.detach().clone()
-            if name in mod._buffers:
-                mod._buffers[name] = value
-            else:
-                mod._parameters[name] = nn.Parameter(value, requires_grad=t.requires_grad)
-        else:
-            t.copy_(full)
+            set_plain(model, key, t, full)

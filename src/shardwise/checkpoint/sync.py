@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 from ..engine import collectives as C
 from .manifest import CheckpointError, CheckpointNotFoundError
 
@@ -9,14 +12,16 @@ _KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": 
                                       "CheckpointNotFoundError": CheckpointNotFoundError}
 
 
-def agree(err: BaseException | None) -> None:
+def agree(err: BaseException | None, cleanup: Callable[[], None] | None = None) -> None:
     """Raise on every rank if any rank has an error: its own, else the first rank's message.
 
     Every rank must call it at the same point (it is one all-reduce, plus an all-gather of
-    the messages when something failed).
+    the messages when something failed). `cleanup` runs on every rank before the raise.
     """
     if C.agree(err is None):
         return
+    if cleanup is not None:
+        cleanup()
     if not C.is_initialized() or C.world_size() == 1:
         assert err is not None
         raise err
@@ -27,6 +32,20 @@ def agree(err: BaseException | None) -> None:
     r, msg = next((r, m.decode()) for r, m in enumerate(msgs) if m)
     kind, _, text = msg.partition("\n")
     raise _KINDS.get(kind, CheckpointError)(f"{text} (raised on rank {r})")
+
+
+@contextlib.contextmanager
+def agreed(convert: Callable[[Exception], BaseException] | None = None,
+           cleanup: Callable[[], None] | None = None) -> Iterator[None]:
+    """Run the block, then `agree` on its outcome: every rank leaves the block normally, or
+    every rank raises. Every rank must enter it (a rank with nothing to do runs an empty
+    block). `convert` maps this rank's exception first (e.g. `as_error`)."""
+    err: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+        err = convert(e) if convert is not None else e
+    agree(err, cleanup)
 
 
 def as_error(e: BaseException) -> BaseException:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..engine.policies import STRATEGY_NAMES as STRATEGIES
 from ..planner import report as R
 from ._args import Parser, at_least, finite, report
-
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
 def _parser() -> argparse.ArgumentParser:

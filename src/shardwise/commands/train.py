@@ -84,11 +84,13 @@ def precheck(cfg: C.Config, nproc: int) -> None:
 def worker(cfg: C.Config) -> dict[str, Any]:
     """One rank's whole job (module-level: the launcher pickles it)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from ..train.faults import FaultInjector
     from ..train.guard import EXIT_NONFINITE, NonFiniteError
     from ..train.trainer import run
 
     try:
-        return run(cfg, ConsoleReporter())
+        # The e2e fault tests ask through SHARDWISE_TEST_* (None otherwise).
+        return run(cfg, ConsoleReporter(), faults=FaultInjector.from_env())
     except NonFiniteError as e:
         # Raised on every rank alike: a clean end with an exit status, not a traceback per
         # rank (and, with --nproc, not a restart that would only diverge again).

@@ -18,7 +18,9 @@ from .inspect import units_of
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it); another process may
+    still take it before the caller binds it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +54,7 @@ def init_distributed(
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = float(timeout_s)

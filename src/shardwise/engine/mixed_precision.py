@@ -15,15 +15,11 @@ from . import collectives as C
 from . import dtensor as DT
 from .checks import check_bool, check_int, check_module, check_number
 from .inspect import sharded_params, units_of
-
-
-def _name(dt: torch.dtype | None) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-            torch.float64: "fp64"}.get(dt, str(dt).replace("torch.", ""))
+from .policies import dtype_name
 
 
 def _names(dts: Iterable[torch.dtype]) -> str:
-    return "/".join(sorted({_name(d) for d in dts})) or "-"
+    return "/".join(sorted({dtype_name(d) for d in dts})) or "-"
 
 
 def precision_plan(model: nn.Module) -> str:
@@ -36,7 +32,7 @@ def precision_plan(model: nn.Module) -> str:
     compute = _names(p.compute_dtype for p in sps)
     reduce = _names(rd for u in units for rd in u.reduce_dtype_for.values())
     master = _names(p.orig_dtype for p in sps)
-    out = {_name(u.mp.output_dtype) for u in units if u.is_root and u.mp and u.mp.output_dtype}
+    out = {dtype_name(u.mp.output_dtype) for u in units if u.is_root and u.mp and u.mp.output_dtype}
     return (f"precision plan: storage {master} shards | compute {compute} | all-gather "
             f"{compute} | reduce {reduce} | optimizer master weights {master}"
             + (f" | outputs {'/'.join(sorted(out))}" if out else ""))

@@ -43,11 +43,21 @@ class ShardingStrategy(str, enum.Enum):
         raise ValueError(f"sharding_strategy={value!r} is not one of: {allowed}")
 
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+# The strategy names, for configs and CLIs that list the choices.
+STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in ShardingStrategy)
+
+# The one dtype vocabulary: short names in configs, plans and logs.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
 }
+# What a dtype knob accepts: the short name or torch's own, for the three training dtypes.
+_DTYPES = {name: dt for dt in (torch.float32, torch.bfloat16, torch.float16)
+           for name in (DTYPE_NAMES[dt], str(dt).removeprefix("torch."))}
+
+
+def dtype_name(dt: torch.dtype | None) -> str:
+    """`torch.bfloat16` -> "bf16"; a dtype without a short name keeps torch's ("int8")."""
+    return DTYPE_NAMES.get(dt, str(dt).removeprefix("torch."))
 
 
 def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import queue
-import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ..engine.distributed import free_port
+from ..engine.policies import STRATEGY_NAMES as STRATEGIES
 from ..launch import workers_ignore_sigint
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 PRECISIONS = ("none", "bf16", "fp16")
 WRAPS = ("layer", "model")
 MAX_WORLD = 4
@@ -114,12 +114,6 @@ class WorkerError(RuntimeError):
     """A rank failed or timed out; the message holds each failing rank's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
     """`world` rank processes that run commands together. Not thread-safe: one caller."""
 
@@ -136,7 +130,7 @@ class WorkerGroup:
         self._ids = itertools.count(1)
         from .rank import rank_main
 
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(target=rank_main, name=f"shardwise-explorer-rank{r}", daemon=True,
                         args=(r, world, port, self._cmds[r], self._out, self.backend,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.policies import dtype_name
 from . import timing as T
 from .profiles import DeviceProfile, InterconnectProfile, interconnect_profile
 from .simulate import StepActivations
@@ -57,7 +58,8 @@ def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: Devic
           batch: int, seq_len: int, checkpointing: bool, S: int, R: int, world: int,
           host_offload: bool, reshard: bool) -> TimeEstimate:
     tokens = batch * seq_len
-    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(act_dtype, "fp32")
+    # 16-bit compute has its own peak; anything else runs at the fp32 one.
+    dname = dtype_name(act_dtype) if act_dtype in (torch.bfloat16, torch.float16) else "fp32"
     if dname not in dev.peak_flops:
         raise ValueError(f"device {dev.name!r} has no {dname} FLOP/s figure "
                          f"(it has {sorted(dev.peak_flops)})")

