@@ -20,7 +20,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/shardwise bench

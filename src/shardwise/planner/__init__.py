@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from .plan import PerRank, Plan, TimeEstimate, plan
+from .estimate import TimeEstimate
+from .plan import plan
 from .profiles import DEVICES, INTERCONNECTS, DeviceProfile, InterconnectProfile
+from .result import PerRank, Plan
 from .shape import TransformerShape
 
 __all__ = [

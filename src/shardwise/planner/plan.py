@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from ..engine.policies import (
 from . import timing as T
 from . import tp as TP
 from .activations import largest_batch, step_activations
-from .estimate import TimeEstimate, link_profiles, step_time
+from .estimate import link_profiles, step_time
 from .memory import model_states, parse_optimizer, unit_cost
 from .profiles import (
     DeviceProfile,
@@ -35,89 +34,10 @@ from .profiles import (
     device_profile,
     interconnect_profile,
 )
+from .result import Alternative, PerRank, Plan
 from .shape import TransformerShape, coerce_shape, shape_of_model
 from .simulate import PhasePeaks, StepActivations, simulate
 from .units import units_of_count, units_of_model
-
-
-@dataclass(frozen=True)
-class PerRank:
-    """Bytes on one device. Each term is its own peak during the step; `total_bytes` is the
-    peak of their sum (they do not all peak together: activations are gone before the
-    optimizer's temporaries appear)."""
-
-    params_bytes: int  # sharded parameters (fp32 masters), padded
-    grads_bytes: int  # sharded gradients after the reduction
-    optimizer_bytes: int  # optimizer state of the sharded parameters
-    model_states_bytes: int  # the three above
-    unsharded_bytes: int  # gathered units in the compute dtype, prefetch included
-    comm_buffers_bytes: int  # pooled all-gather / reduce-scatter buffers, backend copies
-    activations_bytes: int | None  # saved for backward (None: shape or batch unknown)
-    buffers_bytes: int  # module buffers (replicated)
-    optimizer_temp_bytes: int  # optimizer.step() temporaries
-    peak_forward_bytes: int
-    peak_backward_bytes: int
-    peak_step_bytes: int
-    total_bytes: int  # the step's peak: what must fit
-    host_bytes: int  # model states moved to host memory by CPU offload
-
-
-@dataclass(frozen=True)
-class Alternative:
-    """One change that makes a plan that does not fit smaller, and its result."""
-
-    change: str  # e.g. "activation checkpointing", "world_size=16", "CPU offload"
-    total_bytes: int
-    fits: bool | None
-
-
-@dataclass(frozen=True)
-class Plan:
-    params: int
-    world_size: int
-    sharding_strategy: str
-    shard_size: int
-    replicate_size: int
-    ranks_per_node: int
-    mixed_precision: str
-    optimizer: str
-    cpu_offload: bool
-    batch_size: int | None
-    seq_len: int | None
-    activation_checkpointing: bool
-    device: str | None
-    interconnect: str | None
-    units: int
-    shape: dict[str, int] | None
-    per_rank: PerRank
-    comm: T.CommVolume
-    time: TimeEstimate | None
-    usable_bytes: int | None
-    fits: bool | None
-    max_batch_size: int | None
-    notes: tuple[str, ...]
-    # "fits", "does not fit", "model states fit; activations unknown", "does not fit, even
-    # without activations", or None without a device to fit on. Never a bare "fits" with
-    # activations left out.
-    verdict: str | None = None
-    alternatives: tuple[Alternative, ...] = ()  # when it does not fit: what would
-    # Tensor-parallel degree (FSDP shards over world_size / tensor_parallel ranks) and the
-    # TP group's activation all-reduces (planner/tp.py); None without TP.
-    tensor_parallel: int = 1
-    tp_comm: TP.TPComm | None = None
-    sequence_parallel: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: plain ints, floats, strings, lists and dicts."""
-        d = dataclasses.asdict(self)
-        d["notes"] = list(self.notes)
-        d["alternatives"] = [dataclasses.asdict(a) for a in self.alternatives]
-        return d
-
-    def __str__(self) -> str:
-        from .report import describe
-
-        return describe(self)
 
 
 def _peak(peaks: PhasePeaks) -> int:
@@ -125,7 +45,7 @@ def _peak(peaks: PhasePeaks) -> int:
 
 
 def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
-    """(shard size, replicate size), as engine/fully_shard.py's `_strategy_mesh` builds them."""
+    """(shard size, replicate size), as engine/mesh.py's `mesh_for_strategy` builds them."""
     if strategy is ShardingStrategy.NO_SHARD:
         return 1, world
     if strategy is ShardingStrategy.HYBRID_SHARD:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .result import Plan
 
 
 def size(n: float | None) -> str:
