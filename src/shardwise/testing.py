@@ -46,6 +46,22 @@ class DistributedError(RuntimeError):
     pass
 
 
+def _context() -> Any:
+    """Where ranks come from: a fork server that imported torch and shardwise once.
+
+    Importing torch costs each fresh process seconds of CPU; forked from a server that did it
+    already, a rank starts in milliseconds. The server itself is a clean process (no threads,
+    no process group), so forking it is safe where forking the caller would not be.
+    """
+    method = os.environ.get("SHARDWISE_TEST_START", "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardwise"])
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -58,7 +74,7 @@ def run_distributed(
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return each rank's value."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [

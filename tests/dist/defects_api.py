@@ -98,6 +98,11 @@ def to_dtype_after_sharding(rank: int, world: int) -> None:
         model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="mixed_precision"):
         model.half()
+    before = [id(p) for p in model.parameters()]
     model.to(torch.float32)  # no change: allowed
+    # ...and the modules still hold the engine's own sharded parameters (nn.Module._apply
+    # would otherwise swap each DTensor's contents with a converted copy).
+    assert [id(p) for p in model.parameters()] == before
+    assert all(getattr(p, "_sw_param", None) is not None for p in model.parameters())
     model.train(False)
     model(torch.randn(2, 6)).sum().backward()  # untouched by the refusal

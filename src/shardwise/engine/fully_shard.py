@@ -64,7 +64,18 @@ class ShardedModule(FSDP2Methods):
                     f"{sp.host_device} -> {moved.dtype}, {moved.device}) is not supported "
                     "after sharding: convert it before fully_shard/shard_model, or use "
                     "mixed_precision= (compute dtype) and cpu_offload= (where shards live)")
-        return super()._apply(fn, recurse)  # type: ignore[misc]
+        # The conversion is a no-op for the parameters, yet nn.Module._apply would still
+        # swap each DTensor parameter's contents with a converted copy (swap_tensors), so
+        # the optimizer's parameter would stop being the engine's shard. Hide them from it.
+        held = [(ref.module, ref.name, ref.module._parameters[ref.name])
+                for sp in self._sw_unit.params for ref in sp.refs]
+        for m, name, _ in held:
+            m._parameters[name] = None
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for m, name, t in held:
+                m._parameters[name] = t
 
 
 _CLASS_CACHE: dict[type, type] = {}
