@@ -45,3 +45,16 @@ def test_comm_methods() -> None:
 
 def test_forward_methods_and_reset() -> None:
     run_distributed(W.forward_methods_and_reset, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_meta_init(world: int) -> None:
+    from tests.dist import fsdp2_meta_workers as M
+
+    run_distributed(M.meta_init, world)
+
+
+def test_one_rank_dtensor_and_dcp(tmp_path: object) -> None:
+    from tests.dist import fsdp2_meta_workers as M
+
+    run_distributed(M.one_rank, 1, str(tmp_path) + "/ckpt")
