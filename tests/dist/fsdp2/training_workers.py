@@ -76,9 +76,10 @@ def _registration_check(ex: Expect, model: nn.Module, ref: nn.Module, rank: int,
 
 
 def param_registration_after_forward(rank: int, world: int, ex: Expect,
-                                     reshard_after_forward: bool) -> None:
-    """Non-root units follow reshard_after_forward; the root keeps its parameters after a
-    forward (docs/design.md, like FSDP2's default); reshard() shards them by hand."""
+                                     reshard_after_forward: bool | None) -> None:
+    """Units follow reshard_after_forward; with None (FSDP2's default) the root keeps its
+    parameters after a forward, an explicit True reshards it too (torch 2.13's FSDP2);
+    reshard() shards them by hand."""
     raf = reshard_after_forward
     for multi in (False, True):
         torch.manual_seed(42)
@@ -93,7 +94,9 @@ def param_registration_after_forward(rank: int, world: int, ex: Expect,
         _registration_check(ex, model, ref, rank, world, dict.fromkeys(names, True),
                             f"{what}, before forward")
         model(torch.randn(2, 3))
-        after = {n: (raf and n.startswith("0.")) for n in names}
+        # Sharded after forward: everything with an explicit True; with None, the
+        # non-root units (model[0]'s projections); nothing with False.
+        after = {n: bool(raf) or (raf is None and n.startswith("0.")) for n in names}
         _registration_check(ex, model, ref, rank, world, after, f"{what}, after forward")
         for m in sharded_modules(model):
             m.reshard()
