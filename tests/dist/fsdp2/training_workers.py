@@ -295,9 +295,9 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, reshard_after_forwa
             rs += (num_mlps - 2 + 1) * (microbatches - 1)
         elif mode == "root_only":
             rs += num_mlps * (microbatches - 1)
-        # The root keeps its parameters from forward to backward (docs/design.md), so a
-        # backward gathers the resharded MLPs only.
-        ag = (num_mlps + 1 + (num_mlps if reshard_after_forward else 0)) * microbatches
+        # An explicit reshard_after_forward=True reshards the root too (torch 2.13's FSDP2),
+        # so a backward gathers every unit again, as upstream's count says.
+        ag = (num_mlps + 1 + (num_mlps + 1 if reshard_after_forward else 0)) * microbatches
         ex.true(count(log, "reduce_scatter") == rs,
                 f"iter {it}: {count(log, 'reduce_scatter')} reduce-scatters, expected {rs}")
         ex.true(count(log, "all_gather") == ag,
