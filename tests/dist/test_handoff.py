@@ -1,0 +1,23 @@
+"""Every collective goes through the exit drain's handoff, and finish() leaves gloo holding
+nothing: the deterministic form of the exit test (tests/e2e/test_exit.py launches the user
+script a few times; benchmarks/exit_stress.py measures the abort rate over hundreds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import run_distributed
+from tests.dist import handoff_workers
+
+
+@pytest.mark.parametrize("world,native", [(2, False), (3, True)])
+def test_every_collective_is_handed_off(tmp_path: Path, world: int, native: bool) -> None:
+    env = {"SHARDWISE_GLOO_NATIVE": "1"} if native else None
+    for seen in run_distributed(handoff_workers.every_collective_hands_off, world,
+                                str(tmp_path / "ckpt"), env=env):
+        assert seen["calls"] > 20, seen["calls"]
+        assert seen["bypassed"] == [], f"collectives given a tensor not from handoff: " \
+                                       f"{sorted(set(seen['bypassed']))}"
+        assert seen["held_after_finish"] == 0
