@@ -120,6 +120,17 @@ def bf16_matches_emulated_reference(rank: int, world: int) -> dict[str, float]:
     return worst
 
 
+def precision_plans(rank: int, world: int) -> dict[str, str]:
+    """sw.precision_plan under FULL_SHARD and NO_SHARD with fp16 compute."""
+    out = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        model, _ = _pair()
+        sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer",
+                       mixed_precision="fp16")
+        out[strategy] = sw.precision_plan(model)
+    return out
+
+
 def traffic_bytes(rank: int, world: int, preset: str | None) -> int:
     model, _ = _pair()
     sw.shard_model(model, auto_wrap_policy="transformer", mixed_precision=preset)

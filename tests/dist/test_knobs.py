@@ -34,6 +34,14 @@ def test_bf16_all_gather_moves_half_the_bytes() -> None:
     assert fp32 > 0 and bf16 * 2 == fp32
 
 
+def test_precision_plan_names_only_collectives_that_run() -> None:
+    plans = run_distributed(knobs.precision_plans, 2)[0]
+    assert "all-gather fp16" in plans["FULL_SHARD"], plans
+    # NO_SHARD gathers nothing: its plan must not list an fp16 all-gather.
+    assert "all-gather fp16" not in plans["NO_SHARD"], plans
+    assert "no all-gather" in plans["NO_SHARD"] and "reduce fp32" in plans["NO_SHARD"], plans
+
+
 def test_mixed_dtype_model() -> None:
     assert max(run_distributed(knobs.mixed_dtypes, 3)) < 1e-2
 

@@ -49,6 +49,14 @@ def load_config(argv: list[str]) -> C.Config:
     return cfg
 
 
+def offload_note(cfg: C.Config, cuda: bool) -> str | None:
+    """shard.cpu_offload on a machine without a GPU: everything is in host memory already."""
+    if cfg.shard.cpu_offload and not cuda:
+        return ("shard.cpu_offload=true has no effect without a GPU: parameters, gradients "
+                "and optimizer state are in host memory already")
+    return None
+
+
 def schedule_note(cfg: C.Config) -> str | None:
     """On --resume with another train.steps: what happens to the learning-rate schedule."""
     if not cfg.resume:
@@ -76,9 +84,11 @@ def precheck(cfg: C.Config, nproc: int) -> None:
     from ..train.tensor_parallel import check_world
 
     d, t = cfg.data, cfg.train
-    check_world(cfg.parallel.tp, nproc)
+    gpt = cfg.model.gpt()
+    check_world(cfg.parallel.tp, nproc,
+                {"n_head": gpt.n_head, "d_model": gpt.d_model, "ffn_dim": gpt.ffn_dim})
     D.check_size(d.path or None, d.max_bytes, d.seed, d.val_fraction,
-                 cfg.model.gpt().block_size, t.batch_size, nproc // cfg.parallel.tp)
+                 gpt.block_size, t.batch_size, nproc // cfg.parallel.tp)
 
 
 def worker(cfg: C.Config) -> dict[str, Any]:
@@ -139,15 +149,19 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         nproc = cfg.nproc or default_nproc()
         precheck(cfg, nproc)
-        note = schedule_note(cfg)
+        import torch
+
+        notes = [(kind, n) for kind, n in (("warning", schedule_note(cfg)),
+                                           ("note", offload_note(cfg, torch.cuda.is_available())))
+                 if n]
     except ValueError as e:
         return report(PROG, e)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted before the workers started", file=sys.stderr)
         return 130
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if note:
-        print(f"{PROG}: warning: {note}", file=sys.stderr)
+    for kind, note in notes:
+        print(f"{PROG}: {kind}: {note}", file=sys.stderr)
     run = Path(cfg.out_dir).expanduser() / cfg.name
     # A folder this invocation creates may be removed again if nothing was trained in it.
     fresh = not cfg.resume and (cfg.overwrite or not run.exists() or not any(run.iterdir()))
@@ -168,7 +182,8 @@ def main(argv: list[str]) -> int:
             print(f"{PROG}: rank {e.rank} crashed:\n{e.traceback.rstrip()}", file=sys.stderr)
             print(f"{PROG}: error: rank {e.rank}: {e.message}", file=sys.stderr)
             return e.exit_code
-        return report(PROG, e.message)
+        # A worker's own error (a damaged checkpoint, a failed collective): --help is no help.
+        return report(PROG, e.message, hint=False)
     return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 

@@ -57,11 +57,22 @@ def check_tp(tp: int, n_head: int, d_model: int, ffn_dim: int) -> None:
                              f"{[k for k in range(1, 9) if n % k == 0]}")
 
 
-def check_world(tp: int, world: int) -> None:
+def check_world(tp: int, world: int, dims: dict[str, int] | None = None) -> None:
+    """ValueError unless `tp` divides the world size (and, given the model's `dims`, those).
+
+    The allowed values listed are the ones that pass every check, so the suggestion is never
+    refused by the next one (3 ranks of a 4-head model: only 1).
+    """
+    dims = dims or {}
+    allowed = [k for k in range(1, world + 1)
+               if world % k == 0 and all(n % k == 0 for n in dims.values())]
     if tp < 1 or world % tp:
-        allowed = [k for k in range(1, world + 1) if world % k == 0]
         raise ValueError(f"parallel.tp={tp} must divide the world size {world} (ranks are "
                          f"dp x tp); allowed here: {allowed}")
+    for name, n in dims.items():
+        if n % tp:
+            raise ValueError(f"parallel.tp={tp} must divide model.{name}={n} (each TP rank "
+                             f"holds {name} / tp); allowed here: {allowed}")
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int) -> None:
