@@ -322,14 +322,18 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         self.events.counter.paused = True
+        # Training's peak, read before sampling: generating text can take more memory than a
+        # training step did (measured under bf16: 846 MiB sampling vs 460 MiB training), and
+        # the peak resident set size only ever grows.
+        train_peak = peak_memory_mb(self.device)
         sample = _sample(self.model, self.cfg, self.device)
         self.events.stop()
         if self.rank == 0 and sample:
             (self.run_dir / "sample.txt").write_text(sample)
         state_mb = self.local_params * STATE_BYTES_PER_PARAM / MB
         comm = self.events.counter.last_step()
-        rows = Cm.all_gather_floats([peak_memory_mb(self.device), state_mb,
-                                     float(sum(comm.values()))])
+        rows = Cm.all_gather_floats([train_peak, state_mb, float(sum(comm.values())),
+                                     peak_memory_mb(self.device)])
         tail = self.losses[-10:] or [math.nan]  # every step of this invocation may be skipped
         summary = {
             "run_dir": str(self.run_dir), "steps": self.cfg.train.steps,
@@ -338,6 +342,7 @@ class Trainer:
             "final_val_loss": self.val_loss,
             "tokens_per_s": self.timed_tokens / self.timed_s if self.timed_s else math.nan,
             "peak_memory_mb": [r[0] for r in rows],
+            "sample_peak_memory_mb": [r[3] for r in rows],
             "state_mb": [r[1] for r in rows],
             "unsharded_state_mb": self.n_params * STATE_BYTES_PER_PARAM / MB,
             "bytes_per_step": [int(r[2]) for r in rows],
