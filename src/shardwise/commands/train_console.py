@@ -69,7 +69,11 @@ class ConsoleReporter:
         print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
               f"{info['tokens_per_step']:,} tokens per step")
         if info["start_step"]:
-            print(f"  resumed at step {info['start_step']}")
+            saved, now = info.get("saved_tokens_per_step"), info["tokens_per_step"]
+            change = (f"; tokens per step change from {saved:,} to {now:,} (another "
+                      "data-parallel size: each step reads a different global batch, and the "
+                      "schedule still counts steps)") if saved and saved != now else ""
+            print(f"  resumed at step {info['start_step']}{change}")
         if info.get("restart"):
             print(f"  restart {info['restart']} of the workers (after a failure), from the "
                   "latest checkpoint")

@@ -28,7 +28,7 @@ from ..engine.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D
 from . import rundir
-from .checkpointing import resume, save
+from .checkpointing import resume, save, saved_tokens_per_step
 from .config import Config, TrainSection
 from .faults import FaultInjector
 from .guard import NonFiniteGuard
@@ -218,10 +218,13 @@ class Trainer:
         self.n_params = cfg.model.gpt().num_params()
         self.local_params = sum(local_of(p).numel() for p in self.model.parameters())
         self.tokens_per_step = t.batch_size * seq * t.grad_accum * self.dp_world
+        # A resume at another data-parallel size changes the global batch; said once, here.
+        saved_tps = saved_tokens_per_step(self.run_dir) if cfg.resume else None
         self.rep.start({
             "run_dir": str(self.run_dir), "world": self.world, "device": str(self.device),
             "params": self.n_params, "local_params": self.local_params,
             "start_step": self.start, "steps": t.steps, "tokens_per_step": self.tokens_per_step,
+            "saved_tokens_per_step": saved_tps,
             "config": cfg, "train_bytes": len(self.parts.train),
             "val_bytes": len(self.parts.val), "threads": torch.get_num_threads(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
@@ -314,7 +317,7 @@ class Trainer:
         ck = self.cfg.checkpoint
         if (ck.interval and step % ck.interval == 0) or step == t.steps:
             path = save(self.run_dir, step, self.model, self.opt, self.stream, self.scaler,
-                        ck.keep, self.rank)
+                        ck.keep, self.rank, self.tokens_per_step)
             self.rep.checkpoint(step, str(path))
 
     def finish(self) -> dict[str, Any]:
