@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,42 @@ def test_cpu_offload_without_a_gpu_says_it_does_nothing() -> None:
     assert "no effect without a GPU" in (offload_note(cfg, cuda=False) or "")
     assert offload_note(cfg, cuda=True) is None
     assert offload_note(load_config([]), cuda=False) is None
+
+
+def _run_folder(tmp_path: Path, saved_steps: int, with_ckpt: bool) -> Path:
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(f"name = \"r\"\n[train]\nsteps = {saved_steps}\n")
+    (run / "metrics.jsonl").write_text('{"step": 10}\n')
+    if with_ckpt:
+        ckpt = run / "checkpoints" / "step-0000010"
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text("{}")
+    return run
+
+
+def test_interrupted_resume_keeps_the_new_step_count(tmp_path: Path) -> None:
+    from shardwise.commands.train import load_config, stopped_line
+
+    run = _run_folder(tmp_path, saved_steps=10, with_ckpt=True)
+    cfg = dataclasses.replace(load_config(["--name", "new", "--out_dir", str(run.parent),
+                                           "--train.steps", "20"]), name="r")
+    line = stopped_line(cfg, run)
+    # The saved config still says 10 steps: `--resume` alone would leave nothing to do.
+    assert line.endswith("--name r --resume --train.steps 20`"), line
+
+
+def test_make_run_is_told_the_real_command(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.commands.train import load_config, stopped_line
+
+    run = _run_folder(tmp_path, saved_steps=10, with_ckpt=False)
+    cfg = dataclasses.replace(load_config(["--name", "new", "--out_dir", str(run.parent)]),
+                              name="r")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MAKELEVEL", "1")
+    monkeypatch.setattr("sys.argv", [str(tmp_path / ".venv" / "bin" / "shardwise"), "train"])
+    line = stopped_line(cfg, run, [])
+    # `make run` takes no options: name the venv's own command.
+    assert "`.venv/bin/shardwise train --overwrite`" in line, line
+    assert "make" not in line

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,17 +127,37 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def stopped_line(cfg: C.Config, run: Path) -> str:
+def _program() -> str:
+    """How the user can run this command again: under `make run` (which takes no options)
+    that is the virtual environment's own `shardwise`, not `make run`."""
+    exe = sys.argv[0] if sys.argv else ""
+    if os.path.basename(exe) == "shardwise" and (os.environ.get("MAKELEVEL")
+                                                 or not shutil.which("shardwise")):
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else exe
+    return "shardwise"
+
+
+def stopped_line(cfg: C.Config, run: Path, argv: list[str] | tuple[str, ...] = ()) -> str:
     """Where an interrupted run stands, and the command that continues it."""
     step, found = rundir.last_step(run), rundir.checkpoints(run)
     if step == 0 and not found:
         return "interrupted before the first step; nothing was saved"
     head = f"interrupted after step {step} of {cfg.train.steps}"
+    prog = _program()
     if found:
+        # The saved config.toml may still hold the old train.steps (a resume interrupted
+        # before its first step): then --resume alone would leave nothing to do.
+        saved = run / "config.toml"
+        old = O.read_toml(saved).get("train.steps") if saved.exists() else None
+        steps = f" --train.steps {cfg.train.steps}" if old is not None and \
+            int(old) != cfg.train.steps else ""
         return (f"{head}; latest checkpoint {found[-1][1].name}; continue with "
-                f"`shardwise train --name {cfg.name} --resume`")
+                f"`{prog} train --name {cfg.name} --resume{steps}`")
+    again = shlex.join([prog, "train", *[a for a in argv if a != "--overwrite"],
+                        "--overwrite"])
     return (f"{head}, before the first checkpoint (checkpoint.interval="
-            f"{cfg.checkpoint.interval}); run the same command with --overwrite to start again")
+            f"{cfg.checkpoint.interval}); start again with `{again}`")
 
 
 def main(argv: list[str]) -> int:
@@ -173,7 +196,7 @@ def main(argv: list[str]) -> int:
     except Interrupted as e:
         if fresh:
             rundir.discard_unstarted(run)
-        print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+        print(f"{PROG}: {stopped_line(cfg, run, argv)}", file=sys.stderr)
         return e.exit_code
     except WorkerFailure as e:
         if fresh:
@@ -227,7 +250,7 @@ def _under_torchrun(argv: list[str]) -> int:
     except KeyboardInterrupt:
         if rank == 0:
             run = Path(cfg.out_dir).expanduser() / cfg.name
-            print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+            print(f"{PROG}: {stopped_line(cfg, run, argv)}", file=sys.stderr)
         return 130
     collectives.finish()
     return int(result.get("exit_code", 0))
