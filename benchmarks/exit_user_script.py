@@ -57,6 +57,14 @@ for _ in range(3):
 sw.save_checkpoint(sys.argv[1], model, opt, step=3)
 state = sw.full_state_dict(model)
 assert len(state) == 26, sorted(state)
-if rank == int(os.environ.get("SW_EXIT_FAIL_RANK", "-1")):
+fail_rank = int(os.environ.get("SW_EXIT_FAIL_RANK", "-1"))
+if rank == fail_rank:
     # The suite's check that a failing rank exits promptly with its own status.
+    if os.environ.get("SW_EXIT_MODE") == "sys_exit":
+        # A handled error: the script reports it and exits 1, while its peers are already
+        # inside the next collective, which this rank will never join.
+        print(f"rank {rank} exits 1 on purpose", file=sys.stderr, flush=True)
+        sys.exit(1)
     raise RuntimeError(f"rank {rank} fails on purpose")
+if fail_rank >= 0 and os.environ.get("SW_EXIT_MODE") == "sys_exit":
+    sw.full_state_dict(model)  # a collective the failed rank never joins
