@@ -82,3 +82,52 @@ def every_collective_hands_off(rank: int, world: int, ckpt: str) -> dict[str, An
     PG.finish()
     seen["held_after_finish"] = PG.held_by_gloo()
     return seen
+
+
+def _watch_dtensor_collectives(seen: dict[str, Any]) -> None:
+    """Count DTensor's own collectives (functional collectives), which bypass the layer."""
+    import torch.distributed._functional_collectives as funcol
+
+    for name in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor",
+                 "all_to_all_single", "broadcast", "all_gather_tensor_autograd",
+                 "reduce_scatter_tensor_autograd", "all_to_all_single_autograd"):
+        fn = getattr(funcol, name, None)
+        if fn is None:
+            continue
+
+        def call(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name,
+                 **kwargs: Any) -> Any:
+            seen["dtensor"].append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(funcol, name, call)
+
+
+def tp_collectives_through_the_layer(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """The trainer's GPT at dp 2 x tp 2: a step, a full state dict, a checkpoint."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.train.model import GPT, GPTConfig
+    from shardwise.train.tensor_parallel import parallelize_gpt
+
+    seen: dict[str, Any] = {"calls": 0, "bypassed": [], "dtensor": []}
+    _watch(seen)
+    _watch_dtensor_collectives(seen)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=4, d_model=16))
+    parallelize_gpt(model, mesh["tp"])
+    sw.shard_model(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    for _ in range(2):
+        x = torch.randint(0, 23, (2, 8), generator=g)
+        model(x, x).backward()
+        sw.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    sw.full_state_dict(model)
+    sw.save_checkpoint(ckpt, model, opt, step=2)
+    PG.finish()
+    seen["held_after_finish"] = PG.held_by_gloo()
+    return seen

@@ -21,3 +21,13 @@ def test_every_collective_is_handed_off(tmp_path: Path, world: int, native: bool
         assert seen["bypassed"] == [], f"collectives given a tensor not from handoff: " \
                                        f"{sorted(set(seen['bypassed']))}"
         assert seen["held_after_finish"] == 0
+
+
+def test_tensor_parallel_collectives_go_through_the_layer(tmp_path: Path) -> None:
+    # Before: the TP plan's f/g and the engine's TP gradient and full-tensor paths used
+    # DTensor's own collectives, with no exit-drain alias, fingerprint or named error.
+    for seen in run_distributed(handoff_workers.tp_collectives_through_the_layer, 4,
+                                str(tmp_path / "ckpt")):
+        assert seen["dtensor"] == [], sorted(set(seen["dtensor"]))
+        assert seen["calls"] > 20 and seen["bypassed"] == [], seen["bypassed"]
+        assert seen["held_after_finish"] == 0
