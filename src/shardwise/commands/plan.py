@@ -95,7 +95,10 @@ def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str
         from ..train.model import GPT, preset
 
         args.model = args.model.lower()  # `7B` names the preset `7b`
-        cfg = preset(args.model)  # raises with the allowed names
+        try:
+            cfg = preset(args.model)
+        except ValueError as e:  # the GPT presets' names, then the Hugging Face ones
+            raise ValueError(f"{e}; or a Hugging Face preset: {', '.join(PRESETS)}") from None
         with torch.device("meta"):
             model = GPT(cfg)
         return model, None, f"GPT '{args.model}'"
