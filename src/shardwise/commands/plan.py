@@ -180,15 +180,19 @@ def _calibrate(args: argparse.Namespace, what: object,
                shape: dict | None) -> tuple[object, object, str]:
     """Measure this machine with the model's own matmul and attention shapes."""
     from ..planner.calibrate import calibrate
-    from ..planner.shape import coerce_shape, shape_of_model
+    from ..planner.shape import TransformerShape, coerce_shape, shape_of_model
     from ..planner.units import synthetic_shape
 
-    s = (shape_of_model(what) if not isinstance(what, (int, float)) else
-         coerce_shape(shape) or synthetic_shape(int(what)))
+    if isinstance(what, TransformerShape):  # from a config
+        s: TransformerShape | None = what
+    else:
+        s = (shape_of_model(what) if not isinstance(what, (int, float)) else  # type: ignore[arg-type]
+             coerce_shape(shape) or synthetic_shape(int(what)))
     b, t = args.batch_size or 1, args.seq_len or 128
     d, h = (s.d_model, s.n_heads) if s else (1024, 8)
     ffn = s.ffn_dim if s else 4 * d
-    cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, d // h))
+    head_dim = s.head_dim if s else d // h
+    cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, head_dim))
     bw = ", ".join(f"{k} {v / 2**30:.2f} GiB/s" for k, v in cal.collective_bandwidth.items())
     line = (f"calibrated {args.nproc} local ranks x {cal.threads} threads (wall clock, the "
             f"machine's load included): {cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul "
