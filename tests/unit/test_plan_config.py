@@ -97,6 +97,10 @@ def test_hand_count_llama_gqa_swiglu_untied() -> None:
     assert s.block_params() == s.attention_params() + s.mlp_params() + 2 * d  # 2 RMSNorms
     assert s.root_params() == V * d + V * d + d  # embedding, untied head, final norm
     assert s.params() == L * (d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d) + 2 * V * d + d
+    # A transformers config object plans the same as its dict.
+    obj = transformers.LlamaConfig(**{k: v for k, v in TINY["llama"].items()
+                                      if k != "model_type"})
+    assert sw.plan(obj, world_size=2).params == s.params() == 70_464
 
 
 def test_hand_count_biases_norms_and_tying() -> None:

@@ -60,7 +60,7 @@ class Plan:
     device: str | None
     interconnect: str | None
     units: int
-    shape: dict[str, int] | None
+    shape: dict[str, int | str | bool] | None
     per_rank: PerRank
     comm: T.CommVolume
     time: TimeEstimate | None

@@ -213,6 +213,9 @@ def units_of_count(params: int, shape: TransformerShape | None,
 def resolve_model(what: object, shape: TransformerShape | None) -> object:
     """A Hugging Face config (preset name, path or dict) read into its TransformerShape;
     anything else as it is."""
+    if not isinstance(what, nn.Module) and hasattr(what, "model_type") and callable(
+            getattr(what, "to_dict", None)):
+        what = what.to_dict()  # a transformers PretrainedConfig
     if isinstance(what, (str, os.PathLike, dict)):
         from .hf_config import load_shape
 
