@@ -1,13 +1,21 @@
 """Tokenize once, then memory-map: the token cache of a Hugging Face fine-tuning run.
 
-Usage (what the trainer does; every function here is rank-agnostic and collective-free):
+Usage (what the trainer does; only `prepare_shared` is a collective):
 
-    data = prepare(cfg.data.path, model_folder, cache_dir, progress=callback)
-    parts = split(data, val_fraction, seq_len)            # train / validation TokenPart
+    # The launcher may call prepare() first, printing progress; the ranks then hit the cache.
+    data = prepare_shared(cfg.data.path, model_folder, cache_dir)    # on every rank
+    parts = split(data, val_fraction, seq_len)                # train / validation TokenPart
     stream = TokenBatchStream(parts.train, seq_len, batch_size, dp_rank, dp_world, seed, dev)
-    x, y = stream.next()      # (B, T) int64 inputs; (B, T) int64 targets, -100 = not counted
+    x, y = stream.next()  # (B, T) int64 inputs; (B, T) int64 targets, -100 = does not count
     for x, y in val_batches(parts.val, seq_len, batch_size, dp_rank, dp_world, n, dev): ...
-    data.key                  # store in the run folder: resume compares it
+    data.key              # store in the run folder: a resume compares it (data.reset)
+
+The targets are already shifted (y[:, t] is the token after x[:, t]), as for the built-in
+GPT: compute `F.cross_entropy(logits.flatten(0, 1), y.flatten())` (ignore_index=-100 is its
+default). Do not pass y as a Hugging Face model's `labels`: the model shifts labels itself, so
+they would be off by one. The mean is over this rank's counted targets (every window has at
+least one); with a mask, ranks hold different counts, so the mean of the ranks' means weighs
+a token on a rank with few counted targets more than a token-weighted mean would.
 
 `TokenBatchStream` is `data.BatchStream` with token windows: the same global order, per-rank
 slices, `state_dict()` and restore at any world size ([Note: data position] in data.py).
@@ -143,6 +151,36 @@ def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Pa
         raise
     data = open_entry(entry)
     data.built = True
+    return data
+
+
+def prepare_shared(data_path: str | Path, model_folder: str | Path, cache_dir: str | Path, *,
+                   progress: Callable[[Progress], None] | None = None) -> TokenData:
+    """`prepare` on every rank of the process group (a collective): the first rank of each
+    node (LOCAL_RANK 0) tokenizes on a miss while the others wait, then every rank maps the
+    same entry. An error on any rank is raised on every rank with the same one-line message;
+    nodes whose data or tokenizer differ are refused. `progress` is called on those first
+    ranks only."""
+    from ..engine.exchange import all_gather_bytes
+
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    mine: dict[str, Any] = {}
+    if first:
+        try:
+            data = prepare(data_path, model_folder, cache_dir, progress=progress)
+            mine = {"key": data.key, "built": data.built}
+        except (ValueError, OSError) as e:
+            mine = {"error": str(e), "type": type(e).__name__}
+    answers = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
+    for a in answers:
+        if "error" in a:
+            raise (OSError if a["type"] == "OSError" else ValueError)(a["error"])
+    keys = sorted({a["key"] for a in answers if a})
+    if len(keys) != 1:
+        raise ValueError(f"the nodes' data or tokenizer differ (cache keys {', '.join(keys)}): "
+                         f"every node needs the same data.path and model files")
+    data = open_entry(Path(cache_dir).expanduser() / keys[0])
+    data.built = bool(mine.get("built", False))
     return data
 
 
