@@ -188,6 +188,15 @@ def test_split_windows_and_validation_batches(tmp_path, folders) -> None:
     k = (len(m) - 1) // 16
     assert parts.train.starts.tolist() == [
         w * 16 for w in range(k) if m[w * 16 + 1 : w * 16 + 17].any()]
+    # Targets are the next tokens, -100 where the mask says a token does not count.
+    x, y = parts.train.rows(np.array([0, 3]))
+    for row, w in enumerate([0, 3]):
+        s = int(parts.train.starts[w])
+        toks = torch.from_numpy(data.tokens[s : s + 17].astype(np.int64))
+        keep = torch.from_numpy(data.mask[s + 1 : s + 17].astype(bool))
+        assert torch.equal(x[row], toks[:-1])
+        assert torch.equal(y[row], torch.where(keep, toks[1:], -100))
+    assert (y == -100).any() and (y >= 0).any()
     a = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
     b = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
     assert len(a) == 3 and all(torch.equal(p[1], q[1]) for p, q in zip(a, b))

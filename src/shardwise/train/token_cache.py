@@ -268,10 +268,16 @@ class TokenPart:
 
     def rows(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of these windows, each (len(windows), seq_len) int64 on CPU."""
-        pos = self.starts[windows][:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
-        rows = torch.from_numpy(self.tokens[pos].astype(np.int64))
-        keep = torch.from_numpy(self.mask[pos[:, 1:]].astype(np.bool_))
-        return rows[:, :-1], rows[:, 1:].masked_fill(~keep, IGNORE)
+        T = self.seq_len
+        x = np.empty((len(windows), T), np.int64)
+        y = np.empty((len(windows), T), np.int64)
+        keep = np.empty((len(windows), T), np.uint8)
+        # One contiguous slice per window: a few pages of the map, no gather.
+        for i, s in enumerate(self.starts[windows].tolist()):
+            row = self.tokens[s : s + T + 1]
+            x[i], y[i], keep[i] = row[:-1], row[1:], self.mask[s + 1 : s + T + 1]
+        np.putmask(y, keep == 0, IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
 
 
 @dataclass
