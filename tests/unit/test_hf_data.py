@@ -154,6 +154,17 @@ def test_large_vocabularies_are_stored_as_int32(tmp_path, folders, monkeypatch) 
     assert data.tokens.dtype == np.int32 and data.meta["dtype"] == "<i4"
 
 
+def test_an_id_past_the_file_dtype_is_refused_not_wrapped(tmp_path, folders,
+                                                          monkeypatch) -> None:
+    def too_big(self, docs, wheres):  # noqa: ANN001
+        return [H.Encoded(np.array([70_000, 0]), np.array([1, 1], np.uint8))]
+
+    monkeypatch.setattr(H.Encoder, "encode", too_big)
+    with pytest.raises(RuntimeError, match="token id 70000 does not fit uint16"):
+        TC.prepare(_tiny(tmp_path, 5), folders[0], tmp_path / "runs" / "cache")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_ranks_read_disjoint_slices_and_resume_anywhere(tmp_path, folders) -> None:
     data = TC.prepare(_tiny(tmp_path), folders[0], tmp_path / "cache")
     parts = TC.split(data, 0.1, 16)

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -132,7 +133,7 @@ def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Pa
         return open_entry(entry)
     tok = H.load_tokenizer(model_folder)
     created = _first_missing(cache)
-    tmp = cache / f".{key}.tmp-{os.getpid()}"
+    tmp = cache / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -151,6 +152,7 @@ def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Pa
         raise
     data = open_entry(entry)
     data.built = True
+    log.debug("tokenized %s into %s: %d tokens", data_path, entry, len(data.tokens))
     return data
 
 
@@ -165,16 +167,21 @@ def prepare_shared(data_path: str | Path, model_folder: str | Path, cache_dir: s
 
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     mine: dict[str, Any] = {}
+    failure: Exception | None = None
     if first:
         try:
             data = prepare(data_path, model_folder, cache_dir, progress=progress)
             mine = {"key": data.key, "built": data.built}
-        except (ValueError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+            failure = e
             mine = {"error": str(e), "type": type(e).__name__}
     answers = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
+    if failure is not None:
+        raise failure
     for a in answers:
         if "error" in a:
-            raise (OSError if a["type"] == "OSError" else ValueError)(a["error"])
+            kind = {"ValueError": ValueError, "OSError": OSError}.get(a["type"])
+            raise kind(a["error"]) if kind else RuntimeError(f"{a['type']}: {a['error']}")
     keys = sorted({a["key"] for a in answers if a})
     if len(keys) != 1:
         raise ValueError(f"the nodes' data or tokenizer differ (cache keys {', '.join(keys)}): "
@@ -213,6 +220,7 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
            progress: Callable[[Progress], None] | None) -> dict[str, Any]:
     """Tokenize every document into tmp/tokens.bin and tmp/mask.bin; return the metadata."""
     dtype = np.dtype("<u2") if enc.vocab_size <= 1 << 16 else np.dtype("<i4")
+    limit = int(np.iinfo(dtype).max)
     total = sum(p.stat().st_size for p in H.data_files(data_path))
     t0 = last = time.perf_counter()
     done = n_docs = n_tokens = n_counted = skipped = 0
@@ -223,6 +231,9 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
                 if counted == 0:  # nothing to learn from (a chat without assistant turns)
                     skipped += 1
                     continue
+                if len(e.ids) and int(e.ids.max()) > limit:  # would wrap around silently
+                    raise RuntimeError(f"token id {int(e.ids.max())} does not fit {dtype.name}"
+                                       f" (the tokenizer reports {enc.vocab_size} ids)")
                 ft.write(e.ids.astype(dtype).tobytes())
                 fm.write(e.mask.tobytes())
                 n_docs += 1
