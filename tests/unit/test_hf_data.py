@@ -262,6 +262,19 @@ def test_failure_after_the_first_batch_removes_partial_output(tmp_path, folders,
     assert list((tmp_path / "runs").iterdir()) == []
 
 
+def test_a_template_that_is_not_prefix_stable_is_refused(tmp_path) -> None:
+    from tests.hf_tokenizer import make_tokenizer
+
+    tok = make_tokenizer()
+    # The turn count up front: rendering the first k messages is not the start of all of them.
+    tok.chat_template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(str(tmp_path / "model"))
+    path = _jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}] * 2)
+    _refused(tmp_path, path, tmp_path / "model",
+             "d.jsonl line 1: the tokenizer's chat template does not render a conversation "
+             "prefix by prefix")
+
+
 def test_no_tokenizer_and_no_data_name_the_path(tmp_path, folders) -> None:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
