@@ -41,7 +41,10 @@ def test_text_documents_are_packed_with_eos_in_path_order(tmp_path, folders, tok
     (tmp_path / "data" / "sub" / "c.md").write_text("Some prose, then code.")
     (tmp_path / "data" / ".hidden").write_text("never read")
     _jsonl(tmp_path / "data" / "a.jsonl", [{"text": "first doc"}, {"text": "second"}])
-    data = TC.prepare(tmp_path / "data", folders[0], tmp_path / "cache")
+    seen: list[TC.Progress] = []
+    data = TC.prepare(tmp_path / "data", folders[0], tmp_path / "cache", progress=seen.append)
+    assert seen and seen[-1].bytes_done == seen[-1].bytes_total  # the last report: all done
+    assert (seen[-1].documents, seen[-1].tokens) == (4, len(data.tokens))
     eos = tok.eos_token_id
     want = [*_ids(tok, "first doc"), eos, *_ids(tok, "second"), eos,
             *_ids(tok, "def b():\n    return 2\n"), eos, *_ids(tok, "Some prose, then code."), eos]

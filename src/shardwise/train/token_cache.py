@@ -248,7 +248,8 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
         raise ValueError(f"data.path={str(data_path)!r} holds no text to train on (no "
                          "documents, or none with a token that counts for the loss)")
     if progress is not None:
-        progress(Progress(done, total, n_docs, n_tokens, time.perf_counter() - t0))
+        # All of it (blank lines, which count toward no document, included).
+        progress(Progress(total, total, n_docs, n_tokens, time.perf_counter() - t0))
     return {"format": FORMAT, "tokens": n_tokens, "counted": n_counted, "documents": n_docs,
             "skipped_documents": skipped, "dtype": dtype.str, "eos_id": enc.eos,
             "vocab_size": enc.vocab_size, "chat_template": enc.chat_template,
