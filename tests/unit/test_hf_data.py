@@ -134,6 +134,10 @@ def test_second_prepare_reads_the_cache_and_keys_follow_data_and_tokenizer(
     assert not again.built and again.key == first.key
     assert np.array_equal(again.tokens, first.tokens) and isinstance(again.tokens, np.memmap)
     monkeypatch.undo()
+    with (first.path / "mask.bin").open("r+b") as f:  # a truncated entry is named, not read
+        f.truncate(10)
+    with pytest.raises(ValueError, match=r"token cache entry .* is damaged \(mask.bin: 10 "):
+        TC.prepare(path, folders[0], tmp_path / "cache")
     # A changed data byte, another tokenizer (here: the chat template alone) -> new keys.
     other_tok = TC.data_key(path, folders[1])
     path.write_text(path.read_text().replace("c299", "c2999"))

@@ -110,6 +110,13 @@ def open_entry(entry: str | Path) -> TokenData:
     path = Path(entry)
     meta = json.loads((path / "meta.json").read_text())
     n = int(meta["tokens"])
+    for name, itemsize in (("tokens.bin", np.dtype(meta["dtype"]).itemsize), ("mask.bin", 1)):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else -1
+        if size != n * itemsize:
+            raise ValueError(f"token cache entry {str(path)!r} is damaged ({name}: {size} "
+                             f"bytes, {n * itemsize} expected): delete that folder to "
+                             "tokenize again")
     tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,))
     mask = np.memmap(path / "mask.bin", dtype=np.uint8, mode="r", shape=(n,))
     return TokenData(tokens, mask, meta["key"], meta, path, built=False)
