@@ -180,6 +180,10 @@ def keys_and_refusals(rank: int, world: int, paths: dict[str, str]) -> None:
             "missing keys model.norm.weight", "Nothing was loaded")
     _raises(sw.CheckpointError, lambda: sw.load_pretrained(m, paths["mismatch"]),
             "model.layers.0.mlp.gate_proj.weight (checkpoint [44, 24], model [40, 24])")
+    # A refusal on one rank only (it was given another file) raises on every rank.
+    mine = llama if rank == 0 else paths["missing"]
+    msg = _raises(sw.CheckpointError, lambda: sw.load_pretrained(m, mine), "model.norm.weight")
+    assert rank != 0 or "raised on rank 1" in msg, msg
     assert all(sp.is_meta for sp in sharded_params(m)), "a refused load wrote shards"
     _raises(ValueError, lambda: sw.load_pretrained(m, paths["missing"], strict=False),
             "model.norm.weight", "meta device", "sw.materialize")
@@ -263,3 +267,8 @@ def peft_keys(rank: int, world: int, paths: dict[str, str]) -> None:
     r = sw.load_pretrained(m, paths["adapter"], strict=False)
     assert r.missing_keys and all("lora_" not in k for k in r.missing_keys), r
     assert_equal_to(m, ref, "adapter folder")
+
+
+def keys_and_peft(rank: int, world: int, paths: dict[str, str]) -> None:
+    keys_and_refusals(rank, world, paths)
+    peft_keys(rank, world, paths)

@@ -90,5 +90,4 @@ def test_keys_refusals_and_peft(folders: dict[str, str], tmp_path: Path) -> None
     paths["peft-full"] = _save(tmp_path / "peft-full.safetensors", full_sd)
     paths["peft-prefixed"] = _save(tmp_path / "peft-prefixed.safetensors", {
         k.replace("base_layer.", "").replace(".default.", "."): v for k, v in full_sd.items()})
-    run_distributed(W.keys_and_refusals, 2, paths)
-    run_distributed(W.peft_keys, 2, paths)
+    run_distributed(W.keys_and_peft, 2, paths)
