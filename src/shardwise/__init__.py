@@ -20,6 +20,7 @@ from .engine.policies import (
     size_policy,
     transformer_policy,
 )
+from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace
 from .planner import Plan, plan
@@ -47,6 +48,8 @@ __all__ = [
     "load_full_state_dict",
     "materialize",
     "no_sync",
+    "patch_fsdp2",
+    "patched_fsdp2",
     "plan",
     "precision_plan",
     "save_checkpoint",
