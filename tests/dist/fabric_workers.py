@@ -136,7 +136,9 @@ def train_and_save(rank: int, world: int, folder: str) -> dict[str, Any]:
     # 3 units: microbatch 0 (no_backward_sync) reduces nothing, microbatch 1 reduces all.
     assert reduces == [0, 3] * 3, reduces
     fabric.save(folder, {"model": model, "optimizer": opt, "step": 3})
-    return {"params": {n: t.flatten().tolist() for n, t in params.items()}, "worst": worst}
+    saved = {n: t.flatten().tolist() for n, t in params.items()}
+    load(rank, world, folder, saved)
+    return {"params": saved, "worst": worst}
 
 
 def load(rank: int, world: int, folder: str, saved: dict[str, list[float]]) -> float:

@@ -204,23 +204,27 @@ def _loss() -> Any:
 
 
 def parity(rank: int, world: int, dp: int, tp: int, bf16: bool, ac: bool,
-           steps: int = 3) -> dict[str, float]:
+           folder: str | None = None, steps: int = 3) -> dict[str, Any]:
     """FSDP2 and shardwise through torchtitan's parallelize_llama: losses and grad norms
-    every step, full parameters after the last; returns the worst differences."""
+    every step, full parameters after the last; returns the worst differences. Also checks
+    shardwise's meta init against the unsharded init, and with `folder` saves shardwise's
+    run there with torchtitan's CheckpointManager (then "saved" holds its parameters)."""
     dims = _dims(world, dp, tp)
     start = full_params(unsharded(seed=1))
     runs = {}
     for engine in ("fsdp2", "shardwise"):
-        model = build(engine, dims, bf16=bf16, ac=ac)
+        model = build(engine, dims, bf16=bf16, ac=ac, seed=1)
+        if engine == "shardwise":
+            check_meta_init(model, seed=1)
         load_full(model, start)
         opt, loss_fn = _optimizer(model), _loss()
         curve = [train_step(model, opt, dims, s, 2, loss_fn) for s in range(steps)]
-        runs[engine] = (curve, full_params(model), model)
+        runs[engine] = (curve, full_params(model), model, opt)
     tol = TOL_BF16 if bf16 else TOL_FP32
-    (ref_curve, ref_params, ref_model), (curve, params, model) = (
+    (ref_curve, ref_params, ref_model, _), (curve, params, model, opt) = (
         runs["fsdp2"], runs["shardwise"])
     _check_identity(ref_model, model)
-    worst = {"loss": 0.0, "norm": 0.0, "params": 0.0}
+    worst: dict[str, Any] = {"loss": 0.0, "norm": 0.0, "params": 0.0}
     for s, ((rl, rn), (gl, gn)) in enumerate(zip(ref_curve, curve)):
         worst["loss"] = max(worst["loss"], abs(rl - gl) / max(1.0, abs(rl)))
         worst["norm"] = max(worst["norm"], abs(rn - gn) / max(1.0, abs(rn)))
@@ -233,6 +237,9 @@ def parity(rank: int, world: int, dp: int, tp: int, bf16: bool, ac: bool,
     # The run moved the parameters: a comparison of two untouched models proves nothing.
     moved = max((ref_params[n] - start[n]).abs().max().item() for n in start)
     assert moved > 1e-3, moved
+    if folder is not None:
+        assert _manager(folder, model, opt).save(curr_step=steps)
+        worst["saved"] = {n: t.flatten().tolist() for n, t in params.items()}
     return worst
 
 
@@ -248,19 +255,13 @@ def _check_identity(ref: torch.nn.Module, model: torch.nn.Module) -> None:
     assert units(model), "no FSDPModule found on the shardwise model"
 
 
-def meta_init(rank: int, world: int, dp: int, tp: int) -> float:
-    """torchtitan's meta init on shardwise: build on meta, parallelize, to_empty,
-    init_weights on the sharded model gives the unsharded model's weights (same seed)."""
-    dims = _dims(world, dp, tp)
-    model = build("shardwise", dims, seed=7)
-    ref = full_params(unsharded(seed=7))
-    got = full_params(model)
-    worst = 0.0
-    for name, t in ref.items():
-        d = (got[name] - t).abs().max().item()
-        worst = max(worst, d)
+def check_meta_init(model: torch.nn.Module, seed: int) -> None:
+    """torchtitan's meta init on a sharded model (build on meta, parallelize, to_empty,
+    init_weights) gives the unsharded model's weights for the same seed: FSDP2's contract."""
+    ref = full_params(unsharded(seed=seed))
+    for name, t in full_params(model).items():
+        d = (t - ref[name]).abs().max().item()
         assert d == 0.0, f"{name}: meta init differs from the unsharded init by {d:.3g}"
-    return worst
 
 
 def _manager(folder: str, model: torch.nn.Module, opt: Any) -> Any:
@@ -274,34 +275,25 @@ def _manager(folder: str, model: torch.nn.Module, opt: Any) -> Any:
         states={}, sd_adapter=None, base_folder="")
 
 
-def ckpt_save(rank: int, world: int, folder: str) -> dict[str, list[float]]:
-    """Two steps on shardwise at dp `world`, then torchtitan's CheckpointManager.save."""
-    dims = _dims(world, world, 1)
-    model = build("shardwise", dims)
-    opt, loss_fn = _optimizer(model), _loss()
-    for s in range(2):
-        train_step(model, opt, dims, s, 2, loss_fn)
-    assert _manager(folder, model, opt).save(curr_step=2)
-    return {n: t.flatten().tolist() for n, t in full_params(model).items()}
-
-
 def ckpt_load(rank: int, world: int, folder: str,
               saved: dict[str, list[float]]) -> float:
-    """torchtitan's CheckpointManager.load at dp `world` into a fresh shardwise model:
-    the parameters are the saved ones and the optimizer state came back (its step)."""
+    """torchtitan's CheckpointManager.load at dp `world` into a fresh shardwise model
+    (meta-initialized: checked too): the parameters are the saved ones and the optimizer
+    state came back (its step)."""
     dims = _dims(world, world, 1)
     model = build("shardwise", dims, seed=3)
+    check_meta_init(model, seed=3)
     opt = _optimizer(model)
     # An optimizer step before loading gives the optimizer state the checkpoint replaces.
     model(batches(0, 1)[0]).sum().backward()
     opt.step()
     opt.zero_grad()
-    assert _manager(folder, model, opt).load(step=2)
+    assert _manager(folder, model, opt).load(step=3)
     worst = 0.0
     for name, t in full_params(model).items():
         want = torch.tensor(saved[name]).reshape(t.shape)
         worst = max(worst, (t - want).abs().max().item())
     assert worst == 0.0, worst
     steps = {float(s["step"]) for o in opt.optimizers for s in o.state.values()}
-    assert steps == {2.0}, steps
+    assert steps == {3.0}, steps
     return worst
