@@ -13,6 +13,7 @@ from .engine.fully_shard import ShardedModule, fully_shard, shard_model
 from .engine.grad_norm import clip_grad_norm_
 from .engine.materialize import materialize
 from .engine.mixed_precision import ShardedGradScaler, precision_plan
+from .engine.module_api import UnshardHandle
 from .engine.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -20,6 +21,7 @@ from .engine.policies import (
     size_policy,
     transformer_policy,
 )
+from .engine.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
 from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace
@@ -38,7 +40,9 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "ShardwiseState",
     "Trace",
+    "UnshardHandle",
     "clip_grad_norm_",
     "export_safetensors",
     "full_state_dict",
@@ -52,9 +56,11 @@ __all__ = [
     "patched_fsdp2",
     "plan",
     "precision_plan",
+    "register_fsdp_forward_method",
     "save_checkpoint",
     "set_debug",
     "shard_model",
+    "share_comm_ctx",
     "size_policy",
     "trace",
     "transformer_policy",

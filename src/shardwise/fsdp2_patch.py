@@ -7,10 +7,11 @@ rank before the framework's parallelize function, switches it::
     import shardwise as sw
     sw.patch_fsdp2()                   # or: with sw.patched_fsdp2(): parallelize(model)
 
-It puts shardwise's `fully_shard` where FSDP2's was: in `torch.distributed.fsdp` and its
+It puts shardwise's `fully_shard` (and `register_fsdp_forward_method`, `share_comm_ctx`)
+where FSDP2's were: in `torch.distributed.fsdp` and its
 aliases, and in every module already imported that bound FSDP2's function by name
 (torchtitan's `from torch.distributed.fsdp import fully_shard`); modules imported later get
-it through torch's. Nothing else moves: the classes stay torch's own, since a sharded module
+them through torch's. Nothing else moves: the classes stay torch's own, since a sharded module
 is an `FSDPModule` (frameworks find FSDP by that `isinstance`) and `fully_shard` takes torch's
 `MixedPrecisionPolicy` / `CPUOffloadPolicy` / `OffloadPolicy`. torch's own internals keep
 FSDP2's function, so FSDP2 still works on the modules it shards.
@@ -27,17 +28,25 @@ from typing import Any
 import torch.distributed.fsdp as _torch_fsdp
 
 from .engine.fully_shard import fully_shard
+from .engine.state import register_fsdp_forward_method, share_comm_ctx
 
 # Where torch itself exports the name: the public module and its older aliases.
 _TORCH_HOMES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp",
                 "torch.distributed.fsdp._fully_shard")
 
-# FSDP2's own function, taken at import (before any patch) so undo can restore it.
-_FSDP2_FULLY_SHARD = _torch_fsdp.fully_shard
+# FSDP2's own functions -> shardwise's, taken at import (before any patch) so undo can
+# restore them. The three act on sharded modules, so they switch together.
+_SWAP: dict[int, tuple[Any, Any]] = {
+    id(getattr(_torch_fsdp, name)): (getattr(_torch_fsdp, name), ours)
+    for name, ours in (("fully_shard", fully_shard),
+                       ("register_fsdp_forward_method", register_fsdp_forward_method),
+                       ("share_comm_ctx", share_comm_ctx))
+}
 
 
-def _bindings() -> Iterator[tuple[Any, str]]:
-    """(module, attribute) for every imported module that holds FSDP2's fully_shard."""
+def _bindings() -> Iterator[tuple[Any, str, Any, Any]]:
+    """(module, attribute, FSDP2's, shardwise's) for every imported module that holds one
+    of FSDP2's functions."""
     for mod in list(sys.modules.values()):
         name = getattr(mod, "__name__", "")
         # FSDP2's FSDPModule methods call fully_shard.state() through their own module's
@@ -50,22 +59,24 @@ def _bindings() -> Iterator[tuple[Any, str]]:
         except TypeError:
             continue
         for attr, value in list(names.items()):
-            if value is _FSDP2_FULLY_SHARD:
-                yield mod, attr
+            pair = _SWAP.get(id(value))
+            if pair is not None and pair[0] is value:
+                yield mod, attr, pair[0], pair[1]
 
 
 def patch_fsdp2() -> Callable[[], None]:
-    """Make FSDP2's `fully_shard` be shardwise's everywhere it is bound; return the undo."""
+    """Make FSDP2's `fully_shard`, `register_fsdp_forward_method` and `share_comm_ctx` be
+    shardwise's everywhere they are bound; return the undo."""
     for home in _TORCH_HOMES:
         importlib.import_module(home)
     swapped = list(_bindings())
-    for mod, attr in swapped:
-        setattr(mod, attr, fully_shard)
+    for mod, attr, _, ours in swapped:
+        setattr(mod, attr, ours)
 
     def undo() -> None:
-        for mod, attr in swapped:
-            if getattr(mod, attr, None) is fully_shard:
-                setattr(mod, attr, _FSDP2_FULLY_SHARD)
+        for mod, attr, theirs, ours in swapped:
+            if getattr(mod, attr, None) is ours:
+                setattr(mod, attr, theirs)
 
     return undo
 

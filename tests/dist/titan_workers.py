@@ -268,11 +268,18 @@ def _manager(folder: str, model: torch.nn.Module, opt: Any) -> Any:
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
-    lr = LRSchedulersContainer.Config().build(optimizers=opt, training_steps=10)
+    lr = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=opt, training_steps=10)
     return CheckpointManager.Config(enable=True, folder=folder, interval=1,
                                     last_save_model_only=False).build(
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lr,
         states={}, sd_adapter=None, base_folder="")
+
+
+def dp2_runs(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """Both dp-only cases in one launch: fp32 with activation checkpointing (saved to
+    `folder`), then bf16 parameters with fp32 reduction."""
+    return {"fp32-ac": parity(rank, world, world, 1, False, True, folder),
+            "bf16": parity(rank, world, world, 1, True, False)}
 
 
 def ckpt_load(rank: int, world: int, folder: str,
