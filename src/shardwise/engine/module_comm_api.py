@@ -35,9 +35,9 @@ class CommMethods:
         self._sw_unit.grad_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated in FSDP2 (FutureWarning there too): `set_gradient_divide_factor`."""
+        """Deprecated in FSDP2 (a DeprecationWarning there too): `set_gradient_divide_factor`."""
         warnings.warn("set_reduce_scatter_divide_factor is deprecated: use "
-                      "set_gradient_divide_factor", FutureWarning, stacklevel=2)
+                      "set_gradient_divide_factor", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
