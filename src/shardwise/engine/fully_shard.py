@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from . import dtensor as DT
 from .buffers import BufferPool
@@ -75,7 +76,9 @@ class ShardedModule(FSDP2Methods):
         for m, name, _ in held:
             m._parameters[name] = None
         try:
-            return super()._apply(fn, recurse)  # type: ignore[misc]
+            # Past torch's FSDPModule._apply (next in the MRO): it re-registers FSDP2's own
+            # parameter groups, which a shardwise unit does not have (AttributeError).
+            return super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         finally:
             for m, name, t in held:
                 m._parameters[name] = t
