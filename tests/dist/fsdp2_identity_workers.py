@@ -19,8 +19,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method as torch_registe
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
-from tests.dist.fsdp2.common import count, record_collectives
+from tests.dist.fsdp2.common import record_collectives
 
 BATCH = 12
 TOL = 1e-5
@@ -335,6 +334,26 @@ def forward_methods_and_reset(rank: int, world: int) -> None:
     model.reset_iter_state()
     close_all(_train_step(model, rank, world), _ref_grads(), "after reset_iter_state")
 
+    # set_post_optim_event: the next root forward waits on it once, then drops it.
+    event = _Event()
+    model.set_post_optim_event(event)
+    _train_step(model, rank, world)
+    _train_step(model, rank, world)
+    assert event.waited == 1, event.waited
+    # Knobs accepted with nothing to change, and the one refused.
+    model.set_reduce_scatter_unused_params(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group(True)
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    model._set_unshard_async_op(True)
+    try:
+        model.set_symm_mem_for_comm()
+    except NotImplementedError as e:
+        assert "symmetric memory" in str(e)
+    else:
+        raise AssertionError("set_symm_mem_for_comm was accepted")
+    close_all(_train_step(model, rank, world), _ref_grads(), "after the accepted knobs")
+
     st = sw.fully_shard.state(model.blocks[0])
     assert st is model.blocks[0]._get_fsdp_state() and not st.is_root
     assert sw.fully_shard.state(model).is_root and sw.fully_shard.state(model.blocks) is None
@@ -347,6 +366,19 @@ def forward_methods_and_reset(rank: int, world: int) -> None:
         assert "sharded" in str(e)
     else:
         raise AssertionError("share_comm_ctx accepted an unsharded module")
+
+
+class _Event:
+    """torch.Event's surface as set_post_optim_event uses it, counting waits."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        self.waited += 1
 
 
 def _raise(module: nn.Module, args: Any) -> None:

@@ -34,9 +34,9 @@ def test_divide_factor_and_list_form(world: int, chunked: bool) -> None:
     run_distributed(W.divide_factor_and_list_form, world, chunked)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_state_dict_mid_step(world: int) -> None:
-    run_distributed(W.state_dict_mid_step, world)
+def test_state_dict_mid_step() -> None:
+    # At 3 ranks too through the ported case fsdp2/test_state_dict.py::dp_state_dict_dtensors.
+    run_distributed(W.state_dict_mid_step, 2)
 
 
 def test_comm_methods() -> None:
@@ -45,3 +45,15 @@ def test_comm_methods() -> None:
 
 def test_forward_methods_and_reset() -> None:
     run_distributed(W.forward_methods_and_reset, 2)
+
+
+def test_meta_init() -> None:
+    from tests.dist import fsdp2_meta_workers as M
+
+    run_distributed(M.meta_init, 3)  # uneven shards and an empty one (the 2-row head)
+
+
+def test_one_rank_dtensor_and_dcp(tmp_path: object) -> None:
+    from tests.dist import fsdp2_meta_workers as M
+
+    run_distributed(M.one_rank, 1, str(tmp_path) + "/ckpt")

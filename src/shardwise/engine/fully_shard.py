@@ -76,8 +76,7 @@ class ShardedModule(FSDP2Methods):
         for m, name, _ in held:
             m._parameters[name] = None
         try:
-            # Past torch's FSDPModule._apply (next in the MRO): it re-registers FSDP2's own
-            # parameter groups, which a shardwise unit does not have (AttributeError).
+            # Past FSDPModule._apply, which would read FSDP2's own state: the module's class.
             return super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         finally:
             for m, name, t in held:

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .checks import check_bool, check_int, check_number
 from .transport import CustomTransport
 
-if TYPE_CHECKING:
-    from .unit import Unit
+# At run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a model's
+# class (typing.get_type_hints), and a sharded module's class inherits these.
+from .unit import Unit
 
 
 class CommMethods:
