@@ -128,6 +128,8 @@ def train_and_save(rank: int, world: int, folder: str) -> dict[str, Any]:
         losses, reduces = _train(fabric, model, opt, 3, sink)
         runs[engine] = (losses, _full(model), reduces, fabric, model, opt)
     ref_losses, ref_params = runs["fsdp2"][:2]
+    assert getattr(runs["shardwise"][4], "_sw_unit", None) is not None  # shardwise's units
+    assert getattr(runs["fsdp2"][4], "_sw_unit", None) is None
     losses, params, reduces, fabric, model, opt = runs["shardwise"]
     for s, (a, b) in enumerate(zip(ref_losses, losses)):
         assert abs(a - b) <= TOL * max(1.0, abs(a)), f"step {s}: loss {b} vs FSDP2 {a}"

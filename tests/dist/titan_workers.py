@@ -253,6 +253,11 @@ def _check_identity(ref: torch.nn.Module, model: torch.nn.Module) -> None:
 
     assert units(model) == units(ref), (units(model), units(ref))
     assert units(model), "no FSDPModule found on the shardwise model"
+    # ...and the switch took: shardwise made the units of one, FSDP2 those of the other
+    # (two FSDP2 runs would agree trivially).
+    assert all(getattr(m, "_sw_unit", None) is not None
+               for m in model.modules() if isinstance(m, FSDPModule))
+    assert not any(getattr(m, "_sw_unit", None) is not None for m in ref.modules())
 
 
 def check_meta_init(model: torch.nn.Module, dims: Any, seed: int) -> None:
