@@ -23,6 +23,7 @@ from .engine.policies import (
     transformer_policy,
 )
 from .engine.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
+from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace
 from .planner import Plan, plan
@@ -54,6 +55,8 @@ __all__ = [
     "load_pretrained",
     "materialize",
     "no_sync",
+    "patch_fsdp2",
+    "patched_fsdp2",
     "plan",
     "precision_plan",
     "register_fsdp_forward_method",
