@@ -9,6 +9,7 @@ the step schedule (schedule.py). How bytes move is the mesh's transport (transpo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,9 +41,11 @@ class FlatBucket:
     grad_params: list[ShardedParam] = field(default_factory=list)
     grad_offsets: list[int] = field(default_factory=list)
     grad_numel: int = 0
+    sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
 
     def __post_init__(self) -> None:
         for p in self.params:
+            self.sizes.append(p.chunk_numel)
             self.offsets.append(self.numel)
             self.numel += p.chunk_numel
             if p.requires_grad:
@@ -54,7 +57,7 @@ class FlatBucket:
 @dataclass
 class _PendingGather:
     bucket: FlatBucket
-    send: torch.Tensor
+    send: torch.Tensor | None  # None: a view of `out` ([Note: pair transport])
     out: torch.Tensor
     work: Work
     start: float
@@ -109,6 +112,12 @@ class Unit:
         # Reduced gradients are divided by this (None: the data-parallel size, a mean).
         self.grad_divide_factor: float | None = None
         self._gathers: list[_PendingGather] = []
+        # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
+        # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
+        # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
+        # this side, reduce_out: the reduced shard into existing or cast sharded gradients).
+        self.copied: dict[str, int] = dict.fromkeys(
+            ("gather_in", "gather_out", "pack", "reduce_sum", "reduce_out"), 0)
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
         self.buckets: list[FlatBucket] = []
@@ -125,6 +134,7 @@ class Unit:
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+        self._ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
@@ -179,19 +189,25 @@ class Unit:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
+            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+            # [Note: pair transport]: the pair transport's send buffer is `out`'s own row.
+            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool, out)
             shard = send[: g.numel]
             with torch.no_grad():
-                for p, off in zip(g.params, g.offsets):
-                    # Casts to the compute dtype and, under offload, copies host -> device.
-                    shard[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
-                                                           non_blocking=True)
-            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+                # Casts to the compute dtype and, under offload, copies host -> device.
+                torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
+                                      in zip(g.params, g.offsets)],
+                                     [p.padded_shard.reshape(-1) for p in g.params],
+                                     non_blocking=True)
+            # all-to-all also replicates the shard into every peer's row.
+            self.copied["gather_in"] += (g.numel * shard.element_size()
+                                         * (S if transport.name == "all_to_all" else 1))
             with Span() as call:
                 work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
-            self._gathers.append(_PendingGather(g, send, out, work, start,
-                                                0.0 if async_op else call.seconds))
+            self._gathers.append(_PendingGather(
+                g, None if transport.gather_in_place else send, out, work, start,
+                0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -205,13 +221,18 @@ class Unit:
             for pg in self._gathers:
                 with Span() as wait:
                     pg.work.wait()
-                self.pool.release(pg.send)
+                if pg.send is not None:
+                    self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
-                for p, off in zip(pg.bucket.params, pg.bucket.offsets):
+                for p in pg.bucket.params:
                     p.alloc_unsharded()
-                    # `.data` so the copy does not bump the autograd version counter that
-                    # tensors saved in forward check in backward (they alias this storage).
-                    p.unsharded_rows_view().copy_(rows[:, off : off + p.chunk_numel])
+                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
+                # views so the copy does not bump the autograd version counter that tensors
+                # saved in forward check in backward (they alias this storage).
+                torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1,
+                                            out=[p.unsharded_rows_view()
+                                                 for p in pg.bucket.params])
+                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
                 self.pool.release(pg.out)
                 self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
                            pg.start, wait.seconds + pg.blocked)
@@ -299,12 +320,16 @@ class Unit:
                 send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
                         else torch.empty(width, dtype=dtype, device=mesh.device))
                 rows = send.view(S, width)
+                # [Note: divide in the pack] A power-of-two divide is exact, so dividing each
+                # rank's gradient before the sum gives the same bits as after it, and costs
+                # nothing inside the pack (one pass instead of a separate one over the sum).
+                scale = self._prescale()
                 for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-                    _pack_grad(p, grad, rows[:, off : off + p.chunk_numel])
+                    _pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
                     p.drop_local_grad()
-                rows[:, g.grad_numel :].copy_(torch.tensor(
-                    [0.0 if x is None else 1.0 for x in grads], dtype=dtype))
                 complete = all(x is not None for x in grads)
+                rows[:, g.grad_numel :].copy_(self._flags(g, grads, dtype, complete))
+                self.copied["pack"] += send.numel() * send.element_size()
                 if S > 1:
                     out = torch.empty(width, dtype=dtype, device=mesh.device)
                     work = mesh.transport.reduce_scatter(out, send, True, self.pool,
@@ -317,6 +342,23 @@ class Unit:
                     pending.append(PendingReduce(self, g, None, send, work, start, complete))
         return pending
 
+    def _prescale(self) -> float | None:
+        """1/factor when the divide can go into the pack exactly (a power of two), else None."""
+        factor = self.grad_divide_factor or self.mesh.dp_size
+        if factor == 1 or factor <= 0 or math.frexp(factor)[0] != 0.5:
+            return None
+        return 1.0 / factor
+
+    def _flags(self, g: FlatBucket, grads: list, dtype: torch.dtype,
+               complete: bool) -> torch.Tensor:
+        """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
+        if complete:
+            ones = self._ones.get((id(g), dtype))
+            if ones is None:
+                ones = self._ones[(id(g), dtype)] = torch.ones(len(grads), dtype=dtype)
+            return ones
+        return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype)
+
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
         with Span() as wait:
@@ -325,6 +367,8 @@ class Unit:
         mesh = self.mesh
         nbytes = pr.out.numel() * pr.out.element_size()
         if pr.send is not None:
+            if mesh.transport.name != "native":
+                self.copied["reduce_sum"] += nbytes
             self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                        waited)
             self.pool.release(pr.send)
@@ -338,9 +382,10 @@ class Unit:
         n_grad = pr.bucket.grad_numel
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
-        # Sum then divide: the mean over ranks of each rank's mean loss gradient.
+        # Sum then divide: the mean over ranks of each rank's mean loss gradient (unless the
+        # pack divided already: [Note: divide in the pack]).
         factor = self.grad_divide_factor or mesh.dp_size
-        if factor != 1:
+        if factor != 1 and self._prescale() is None:
             out[:n_grad].div_(factor)
         with torch.no_grad():
             for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
@@ -350,6 +395,7 @@ class Unit:
                 grad = out[off : off + n].view(p.local.shape)
                 if grad.dtype != p.orig_dtype or grad.device != p.host_device:
                     grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
+                    self.copied["reduce_out"] += n * grad.element_size()
                 have = p.shard_grad
                 if p.direct or have is None:
                     # Direct params accumulated locally; the reduced sum replaces it.
@@ -358,10 +404,13 @@ class Unit:
                         p.mark_reduced()
                 else:
                     have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+                    self.copied["reduce_out"] += n * grad.element_size()
 
 
-def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:
-    """Copy p's unsharded gradient into (S, C*row_numel) rank-major rows, zero-padded."""
+def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
+               scale: float | None = None) -> None:
+    """Copy p's unsharded gradient (times `scale`) into (S, C*row_numel) rank-major rows,
+    zero-padded."""
     if grad is None:
         dst.zero_()
         return
@@ -369,12 +418,16 @@ def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) ->
     chunk = p.chunk_numel
     if p.chunk_rows == 0:
         return  # dim 0 has size 0: nothing to send (and no rows to divide by)
+
+    def put(d: torch.Tensor, src: torch.Tensor) -> None:
+        torch.mul(src, scale, out=d) if scale is not None else d.copy_(src)
+
     full_ranks = p.dim0 // p.chunk_rows
     if full_ranks:
-        dst[:full_ranks].copy_(flat[: full_ranks * chunk].view(full_ranks, chunk))
+        put(dst[:full_ranks], flat[: full_ranks * chunk].view(full_ranks, chunk))
     tail = flat.numel() - full_ranks * chunk
     if full_ranks < dst.shape[0]:
         if tail:
-            dst[full_ranks, :tail].copy_(flat[full_ranks * chunk :])
+            put(dst[full_ranks, :tail], flat[full_ranks * chunk :])
         dst[full_ranks, tail:].zero_()
         dst[full_ranks + 1 :].zero_()

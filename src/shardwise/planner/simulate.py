@@ -28,6 +28,7 @@ import torch
 
 from ..engine.buffers import BufferPool
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
+from ..engine.transport import gather_send_numel, kind_for, reduce_recv_numel
 from .memory import UnitCost, _size
 
 META = torch.device("meta")
@@ -93,7 +94,7 @@ class _SimUnit:
         self.is_root = i == 0
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         self.unreduced = False  # full gradients exist that were not reduced yet
 
     def unshard(self, async_op: bool = True) -> None:
@@ -102,8 +103,11 @@ class _SimUnit:
         sim = self.sim
         if sim.S > 1:
             for dtype, chunk in self.cost.gather:
-                send = sim.get(chunk, dtype)
+                # As the engine: the output first, then the send buffer its transport sizes
+                # (engine/transport.py).
                 out = sim.get(chunk * sim.S, dtype)
+                n = gather_send_numel(sim.transport, chunk, sim.S)
+                send = sim.get(n, dtype) if n else None
                 if sim.scratch:
                     # gloo gathers into a flat output of its own and copies it out: a copy
                     # that lives while the all-gather runs, which is right after issue.
@@ -119,7 +123,8 @@ class _SimUnit:
         self.unshard()
         self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
         for send, out in self.gathers:
-            self.sim.release(send)
+            if send is not None:
+                self.sim.release(send)
             self.sim.release(out)
         self.gathers.clear()
         self.state = ShardedState.UNSHARDED
@@ -145,8 +150,9 @@ class _SimUnit:
             if sim.S > 1:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
-                # gloo reduces a copy of the whole input, kept by the pending work.
-                extra = n * sim.S * rsize if sim.scratch else 0
+                # What the transport receives into before its local sum, held by the
+                # pending work (engine/transport.py).
+                extra = reduce_recv_numel(sim.transport, n, sim.S) * rsize
             else:
                 send = None
                 out = n * rsize  # the packed buffer itself becomes the gradients
@@ -184,6 +190,8 @@ class _Sim:
         self.S = shard_size
         self.acts = acts
         self.scratch = scratch  # gloo copies whole collective buffers while in flight
+        # The engine's transport for this group (gloo: scratch; engine/transport.py).
+        self.transport = kind_for(scratch, shard_size)
         self.t = _Tally()
         self.pool = BufferPool()
         self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
