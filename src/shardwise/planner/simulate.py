@@ -115,6 +115,7 @@ class _SimUnit:
                     sim.t.add(extra, "comm")
                     sim.t.add(-extra, "comm")
                 self.gathers.append((send, out))
+        sim.log.append(("gather", self.i))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -127,6 +128,7 @@ class _SimUnit:
                 self.sim.release(send)
             self.sim.release(out)
         self.gathers.clear()
+        self.sim.log.append(("wait", self.i))
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -134,6 +136,7 @@ class _SimUnit:
             return
         self.wait_unshard()
         self.sim.t.add(-self.cost.unsharded_bytes, "unsharded")
+        self.sim.log.append(("reshard", self.i))
         self.state = ShardedState.SHARDED
 
     def has_unreduced_grads(self) -> bool:
@@ -162,6 +165,7 @@ class _SimUnit:
             parts.append((send, out, extra, kept))
         if not c.direct:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
+        sim.log.append(("reduce", self.i))
         return (_SimReduce(self, parts),)
 
 
@@ -171,6 +175,7 @@ class _SimReduce:
 
     def finish(self) -> None:
         sim = self.unit.sim
+        sim.log.append(("finish", self.unit.i))
         for send, out, extra, kept in self.parts:
             if send is not None:
                 sim.release(send)
@@ -197,6 +202,8 @@ class _Sim:
         self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
         self.schedule: Schedule[_SimUnit] = Schedule(self.units, limits)
         self.grads_alive = 0
+        # Every schedule decision in order: what the time model's replay must match.
+        self.log: list[tuple[str, int]] = []
 
     # --- the pool, through the engine's own class -------------------------------------------
 
