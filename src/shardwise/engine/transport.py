@@ -192,8 +192,8 @@ class PairTransport(AllToAllTransport):
 
     def gather_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                       alloc: Allocator, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:  # a caller without an output yet: stage as all-to-all does
-            return super().gather_buffer(numel, dtype, device, alloc)
+        if out is None:  # a caller without an output yet: a plain send buffer
+            return alloc.get(numel, dtype, device)
         return out[self.me * numel : (self.me + 1) * numel]
 
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, numel: int, async_op: bool,
