@@ -9,7 +9,6 @@ the step schedule (schedule.py). How bytes move is the mesh's transport (transpo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from . import collectives as C
 from .buffers import BufferPool
 from .events import Event, Span, now
 from .mesh import MeshInfo
+from .pack import pack_grad, prescale
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
@@ -320,12 +320,9 @@ class Unit:
                 send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
                         else torch.empty(width, dtype=dtype, device=mesh.device))
                 rows = send.view(S, width)
-                # [Note: divide in the pack] A power-of-two divide is exact, so dividing each
-                # rank's gradient before the sum gives the same bits as after it, and costs
-                # nothing inside the pack (one pass instead of a separate one over the sum).
                 scale = self._prescale()
                 for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-                    _pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
+                    pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
                     p.drop_local_grad()
                 complete = all(x is not None for x in grads)
                 rows[:, g.grad_numel :].copy_(self._flags(g, grads, dtype, complete))
@@ -343,11 +340,8 @@ class Unit:
         return pending
 
     def _prescale(self) -> float | None:
-        """1/factor when the divide can go into the pack exactly (a power of two), else None."""
-        factor = self.grad_divide_factor or self.mesh.dp_size
-        if factor == 1 or factor <= 0 or math.frexp(factor)[0] != 0.5:
-            return None
-        return 1.0 / factor
+        """1/factor when the divide goes into the pack ([Note: divide in the pack])."""
+        return prescale(self.grad_divide_factor or self.mesh.dp_size)
 
     def _flags(self, g: FlatBucket, grads: list, dtype: torch.dtype,
                complete: bool) -> torch.Tensor:
@@ -405,29 +399,3 @@ class Unit:
                 else:
                     have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
                     self.copied["reduce_out"] += n * grad.element_size()
-
-
-def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
-               scale: float | None = None) -> None:
-    """Copy p's unsharded gradient (times `scale`) into (S, C*row_numel) rank-major rows,
-    zero-padded."""
-    if grad is None:
-        dst.zero_()
-        return
-    flat = grad.reshape(-1)
-    chunk = p.chunk_numel
-    if p.chunk_rows == 0:
-        return  # dim 0 has size 0: nothing to send (and no rows to divide by)
-
-    def put(d: torch.Tensor, src: torch.Tensor) -> None:
-        torch.mul(src, scale, out=d) if scale is not None else d.copy_(src)
-
-    full_ranks = p.dim0 // p.chunk_rows
-    if full_ranks:
-        put(dst[:full_ranks], flat[: full_ranks * chunk].view(full_ranks, chunk))
-    tail = flat.numel() - full_ranks * chunk
-    if full_ranks < dst.shape[0]:
-        if tail:
-            put(dst[full_ranks, :tail], flat[full_ranks * chunk :])
-        dst[full_ranks, tail:].zero_()
-        dst[full_ranks + 1 :].zero_()
