@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
+from . import optim_step
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class ShardedParam:
         self.local = padded[: self.local_rows]
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
         face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
+        if self.spec is not None:
+            optim_step.ensure_registered()  # [Note: optimizer fast path]
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
