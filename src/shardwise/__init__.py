@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import _worker  # noqa: F401  (first: see its docstring)
+from .checkpoint.adapter import save_adapter
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
@@ -49,6 +50,7 @@ __all__ = [
     "no_sync",
     "plan",
     "precision_plan",
+    "save_adapter",
     "save_checkpoint",
     "set_debug",
     "shard_model",
