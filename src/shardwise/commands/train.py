@@ -38,8 +38,8 @@ def load_config(argv: list[str]) -> C.Config:
         saved_path = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
         saved = O.read_toml(saved_path) if saved_path.exists() else {}
         # Actions and placement belong to this invocation, not to the saved run.
-        for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads", "trace",
-                  "max_restarts"):
+        for k in ("name", "out_dir", "resume", "resume_from", "overwrite", "nproc", "threads",
+                  "trace", "max_restarts", "data.reset"):
             saved.pop(k, None)
         if "train.min_lr" in saved:  # written before min_lr became a fraction of lr
             lr = float(saved.get("train.lr", C.TrainSection.lr))
@@ -62,7 +62,9 @@ def schedule_note(cfg: C.Config) -> str | None:
 
     from ..train.trainer import lr_at
 
-    start = rundir.checkpoints(Path(cfg.out_dir).expanduser() / cfg.name)[-1][0]
+    if cfg.data.reset:
+        return None
+    start = rundir.chosen(Path(cfg.out_dir).expanduser() / cfg.name, cfg.resume_from)[0]
     old = dataclasses.replace(t, steps=int(old_steps))
     return (f"train.steps {old_steps} -> {t.steps} on resume: the {t.schedule} decay is "
             f"stretched over {t.steps} steps, so the lr of step {start + 1} goes from "
@@ -77,6 +79,14 @@ def precheck(cfg: C.Config, nproc: int) -> None:
 
     d, t = cfg.data, cfg.train
     check_world(cfg.parallel.tp, nproc)
+    if cfg.model.hf:
+        from ..train.hf_folder import has_tokenizer
+
+        if not has_tokenizer(cfg.model.hf):
+            raise ValueError(f"model.hf={cfg.model.hf!r} has no tokenizer (tokenizer.json, or "
+                             "vocab.json and merges.txt): save the tokenizer into the folder "
+                             "with tokenizer.save_pretrained")
+        return  # token counts need the tokenizer: the workers check them
     D.check_size(d.path or None, d.max_bytes, d.seed, d.val_fraction,
                  cfg.model.gpt().block_size, t.batch_size, nproc // cfg.parallel.tp)
 

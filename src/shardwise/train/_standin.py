@@ -30,3 +30,19 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True) -> None
         elif k == "lm_head.weight" and "model.embed_tokens.weight" in stored:
             sd[key] = stored["model.embed_tokens.weight"]
     sw.load_full_state_dict(model, sd, strict=False)
+
+
+def hf_split(cfg):  # -> data.Split of token ids
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import data as D
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.hf, local_files_only=True)
+    text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
+    ids = tok(text.decode("utf-8", errors="replace"))["input_ids"]
+    if tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    t = torch.tensor(ids, dtype=torch.int32)
+    n_val = D._val_bytes(len(t), cfg.data.val_fraction, cfg.model.seq_len())
+    return D.Split(train=t[: len(t) - n_val], val=t[len(t) - n_val:])
