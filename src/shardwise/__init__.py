@@ -6,6 +6,7 @@ from . import _worker  # noqa: F401  (first: see its docstring)
 from .checkpoint.adapter import save_adapter
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
+from .checkpoint.pretrained import LoadResult, load_pretrained
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .engine.debug import CollectiveError, CollectiveMismatchError, set_debug
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "LoadResult",
     "MixedPrecisionPolicy",
     "OverlapReport",
     "Plan",
@@ -46,6 +48,7 @@ __all__ = [
     "init_distributed",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
     "materialize",
     "no_sync",
     "plan",

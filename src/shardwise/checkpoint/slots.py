@@ -72,6 +72,20 @@ def stored_rows(sp: ShardedParam) -> tuple[int, int]:
     return sp.tp.checkpoint_rows(sp.row_start, sp.row_end)
 
 
+def owned_block(sp: ShardedParam) -> tuple[slice, ...]:
+    """This rank's block of the stored (global) tensor, one slice per dim (a 0-d tensor is
+    one row): `stored_rows(sp)`, and under TP the columns of a weight TP splits past dim 0.
+
+    Exactly the elements of `sp.local`, in its layout: what a rank reads of a full tensor.
+    """
+    start, end = stored_rows(sp)
+    block = [slice(start, end), *(slice(0, n) for n in sp.global_shape[1:])]
+    if sp.tp is not None and sp.tp.shard_dim not in (None, 0):
+        d = sp.tp.shard_dim
+        block[d] = slice(sp.tp.offset, sp.tp.offset + sp.orig_shape[d])
+    return tuple(block)
+
+
 def own_rows(sp: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
     """This rank's shard from the stored rows `stored_rows(sp)` (TP: its columns of them)."""
     return rows if sp.tp is None else sp.tp.from_rows(rows)

@@ -264,8 +264,15 @@ class ShardedParam:
 
     # --- materialization (meta -> real) ------------------------------------------------
 
-    def materialize(self) -> None:
-        """Allocate this rank's shard (zeros) for a meta parameter.
+    def new_padded_shard(self) -> torch.Tensor:
+        """A zeroed (C, *rest) chunk for this rank, where the real shard will live."""
+        return torch.zeros(
+            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
+        )
+
+    def materialize(self, padded: torch.Tensor | None = None) -> None:
+        """Allocate this rank's shard for a meta parameter: zeros, or `padded` (made by
+        `new_padded_shard` and filled, its padding rows zero) when given.
 
         New Parameter objects replace the meta ones on every module that refers to this
         parameter (a meta tensor's storage cannot be swapped in place), so build the
@@ -273,9 +280,8 @@ class ShardedParam:
         """
         if not self.is_meta:
             return
-        padded = torch.zeros(
-            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
-        )
+        if padded is None:
+            padded = self.new_padded_shard()
         if self.pin_memory:
             padded = padded.pin_memory()
         self._build(padded, meta=False)
