@@ -133,6 +133,8 @@ class DataSection:
         run's: keep the checkpoint's weights but start a fresh data position, learning-rate
         schedule and optimizer state (train.steps more steps); without it such a resume is
         refused.
+    cache_dir: with model.hf: where tokenized data is cached, keyed by (data, tokenizer)
+        ("": <out_dir>/token-cache).
     """
 
     path: str = ""
@@ -140,6 +142,7 @@ class DataSection:
     val_fraction: float = 0.05
     seed: int = 1234
     reset: bool = False
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _typed("data", self)
@@ -149,6 +152,9 @@ class DataSection:
         if self.path:
             _check(Path(self.path).expanduser().exists(),
                    f"data.path={self.path!r} does not exist (give a text file or a folder)")
+
+    def cache(self, out_dir: str = "runs") -> str:
+        return self.cache_dir or str(Path(out_dir).expanduser() / "token-cache")
 
 
 @dataclass
@@ -388,6 +394,8 @@ class Config:
                "one can be made), not empty and not a file")
         tp = self.parallel.tp
         if self.model.hf:
+            _check(bool(self.data.path), f"model.hf={self.model.hf!r} needs data.path: a text "
+                   "file, a folder, or JSONL (text, prompt/completion or chat messages)")
             _check(tp == 1, f"parallel.tp={tp} is not supported with model.hf (the TP plan is "
                    "the built-in GPT's); use tp=1")
         else:

@@ -67,11 +67,9 @@ def build_hf(cfg: Config) -> nn.Module:
     # inv_freq) gets the model's own initialization; LoRA's B starts at zero (materialize
     # re-runs peft's adapter init), so the adapted model starts as the base model.
     sw.materialize(model, init_fn=inner._init_weights, seed=cfg.train.seed)
-    # peft froze the base before sharding: only the adapters train.
-    load = getattr(sw, "load_pretrained", None)
-    if load is None:  # until the sharded loader lands (issue 21 part 1)
-        from ._standin import load_pretrained as load
-    load(model, cfg.model.hf, strict=not cfg.lora.rank)
+    # Each rank reads only its rows. With LoRA the adapters are not in the folder (strict
+    # would refuse them): they keep the init above. peft froze the base before sharding.
+    sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank)
     return model
 
 

@@ -44,15 +44,22 @@ def data_key(cfg: Config) -> str:
 def run_keys(cfg: Config) -> dict[str, str]:
     if cfg.model.hf:
         from .hf_folder import model_key, tokenizer_key
+        from .token_cache import data_key as token_key
 
         model, tok = model_key(cfg.model.hf), tokenizer_key(cfg.model.hf)
+        # The token cache's key: the data files' bytes and the tokenizer's files.
+        return {"data": token_key(cfg.data.path, cfg.model.hf), "tokenizer": tok,
+                "model": model + _lora(cfg)}
     else:
         model = _hash(json.dumps(cfg.model.gpt().__dict__, sort_keys=True).encode())
         tok = "bytes"
-    lora = cfg.lora
-    if lora.rank:
-        model += f"+lora(r={lora.rank},alpha={lora.scale()},targets={lora.targets or '-'})"
     return {"data": data_key(cfg), "tokenizer": tok, "model": model}
+
+
+def _lora(cfg: Config) -> str:
+    lo = cfg.lora
+    return f"+lora(r={lo.rank},alpha={lo.scale()},targets={lo.targets or '-'})" if lo.rank \
+        else ""
 
 
 def differences(saved: dict[str, str], now: dict[str, str]) -> list[str]:

@@ -130,14 +130,18 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
 
 
 @torch.no_grad()
-def evaluate(built: Built, val: torch.Tensor, cfg: Config, rank: int, world: int,
+def evaluate(built: Built, val: Any, cfg: Config, rank: int, world: int,
              device: torch.device) -> float:
     """Mean loss over the fixed validation batches of every rank."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     seq = cfg.model.seq_len()
     tp = cfg.parallel.tp  # a TP group shares its batches; the sum counts each tp times
-    for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
-                              cfg.train.eval_batches, device):
+    if cfg.model.hf:
+        from .token_cache import val_batches
+    else:
+        val_batches = D.val_batches
+    for x, y in val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
+                            cfg.train.eval_batches, device):
         total += built.loss(x, y).double()
     Cm.all_reduce(total, None, label="validation loss")
     return total.item() / (world * cfg.train.eval_batches)
@@ -170,19 +174,26 @@ class Trainer:
         # The data first: text that is too short fails alike on every rank, before a run
         # folder exists that would block running the same --name again.
         if cfg.model.hf:
-            from ._standin import hf_split
+            # Tokenized once into the cache (the first rank of each node), memory-mapped.
+            from . import token_cache as TC
 
-            self.parts = hf_split(cfg)
+            tokens = TC.prepare_shared(cfg.data.path, cfg.model.hf, cfg.data.cache(cfg.out_dir))
+            self.parts: Any = TC.split(tokens, cfg.data.val_fraction, seq)
+            self.n_train, self.n_val = len(self.parts.train.tokens), len(self.parts.val.tokens)
         else:
             text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
             self.parts = D.split(text, cfg.data.val_fraction, seq)
+            self.n_train, self.n_val = len(self.parts.train), len(self.parts.val)
         # Ranks of one TP group (consecutive ranks: the mesh is (dp, tp)) read the same batch.
         tp = cfg.parallel.tp
         if tp > 1:
             check_world(tp, self.world)
         self.dp_world = self.world // tp
-        self.stream = D.BatchStream(self.parts.train, seq, t.batch_size, self.rank // tp,
-                                    self.dp_world, cfg.data.seed, self.device)
+        stream_cls: Any = D.BatchStream
+        if cfg.model.hf:
+            from .token_cache import TokenBatchStream as stream_cls
+        self.stream = stream_cls(self.parts.train, seq, t.batch_size, self.rank // tp,
+                                 self.dp_world, cfg.data.seed, self.device)
 
         self.keys = run_keys(cfg)
         self.run_dir, resuming, self.moved = _shared_run_dir(cfg, self.rank)
@@ -220,8 +231,8 @@ class Trainer:
             "params": self.n_params, "local_params": self.local_params,
             "start_step": self.start, "steps": self.end, "tokens_per_step": self.tokens_per_step,
             "trainable": self.n_trainable, "moved_aside": self.moved,
-            "config": cfg, "train_bytes": len(self.parts.train),
-            "val_bytes": len(self.parts.val), "threads": torch.get_num_threads(),
+            "config": cfg, "train_bytes": self.n_train,
+            "val_bytes": self.n_val, "threads": torch.get_num_threads(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "precision_plan": sw.precision_plan(self.model)})
 
