@@ -46,13 +46,13 @@ def save_adapter(path: str | os.PathLike, model: nn.Module) -> str:
     with agreed():
         out = os.path.abspath(check_path("path", path))
         check_module("model", model)
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise ValueError(f"path={os.fspath(path)!r} already exists; give a new folder "
+                             "(an adapter folder is never written over)")
         if not hasattr(model, "peft_config") or not callable(getattr(model, "save_pretrained",
                                                                       None)):
             raise ValueError(f"model={type(model).__name__} is not a peft model (give the "
                              "model get_peft_model returned)")
-        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-            raise ValueError(f"path={os.fspath(path)!r} already exists; give a new folder "
-                             "(an adapter folder is never written over)")
     sd = adapter_state_dict(model)
     with agreed(as_error):
         if C.rank() == 0:

@@ -153,6 +153,11 @@ class DataSection:
             _check(Path(self.path).expanduser().exists(),
                    f"data.path={self.path!r} does not exist (give a text file or a folder)")
 
+        c = Path(self.cache_dir).expanduser()
+        _check(not self.cache_dir or c.is_dir() or not c.exists(),
+               f"data.cache_dir={self.cache_dir!r} is not allowed: it is a file (give a "
+               "folder, or a path where one can be made)")
+
     def cache(self, out_dir: str = "runs") -> str:
         return self.cache_dir or str(Path(out_dir).expanduser() / "token-cache")
 
