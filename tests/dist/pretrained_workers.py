@@ -153,3 +153,122 @@ def matches(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict[st
             assert d.item() <= 1e-5, (what, strategy, d.item())
         out[f"{what}/{strategy}"] = result.bytes_read
     return out
+
+
+def _raises(kind: type[Exception], fn: Any, *fragments: str) -> str:
+    try:
+        fn()
+    except kind as e:
+        for f in fragments:
+            assert f in str(e), (f, str(e))
+        return str(e)
+    raise AssertionError(f"no {kind.__name__} raised; expected one naming {fragments}")
+
+
+def keys_and_refusals(rank: int, world: int, paths: dict[str, str]) -> None:
+    """Strict refusals name keys and write nothing; strict=False; unexpected keys; prefixes;
+    a shardwise export round trip."""
+    from shardwise.engine.inspect import sharded_params
+
+    llama, ref = paths["llama"], H.reference(paths["llama"])
+
+    def fresh(folder: str = llama) -> nn.Module:
+        return shard(H.meta_model(folder), "FULL_SHARD", world)
+
+    m = fresh()
+    _raises(sw.CheckpointError, lambda: sw.load_pretrained(m, paths["missing"]),
+            "missing keys model.norm.weight", "Nothing was loaded")
+    _raises(sw.CheckpointError, lambda: sw.load_pretrained(m, paths["mismatch"]),
+            "model.layers.0.mlp.gate_proj.weight (checkpoint [44, 24], model [40, 24])")
+    # A refusal on one rank only (it was given another file) raises on every rank.
+    mine = llama if rank == 0 else paths["missing"]
+    msg = _raises(sw.CheckpointError, lambda: sw.load_pretrained(m, mine), "model.norm.weight")
+    assert rank != 0 or "raised on rank 1" in msg, msg
+    assert all(sp.is_meta for sp in sharded_params(m)), "a refused load wrote shards"
+    _raises(ValueError, lambda: sw.load_pretrained(m, paths["missing"], strict=False),
+            "model.norm.weight", "meta device", "sw.materialize")
+    # strict=False on a materialized model: the rest loads, the absent key keeps its value.
+    sw.materialize(m, init_fn=m._init_weights)
+    before = full(m.model.norm.weight.detach()).clone()
+    r = sw.load_pretrained(m, paths["missing"], strict=False)
+    assert r.missing_keys == ["model.norm.weight"], r
+    assert torch.equal(full(m.model.norm.weight.detach()), before)
+    with torch.no_grad():
+        ref_norm = ref.model.norm.weight.clone()
+        ref.model.norm.weight.copy_(before)
+    assert_equal_to(m, ref, "strict=False")
+    with torch.no_grad():
+        ref.model.norm.weight.copy_(ref_norm)
+    # Unexpected keys are reported (HF's ignored ones, a stale rotary inv_freq, are not).
+    m = fresh()
+    r = sw.load_pretrained(m, paths["extra"])
+    assert r.unexpected_keys == ["extra.weight"], r.unexpected_keys
+    assert_equal_to(m, ref, "extra keys")
+    # Keys without the base model prefix (a base model's checkpoint; GPT-2's hub layout).
+    for kind in ("qwen2", "gpt2"):
+        m = fresh(paths[kind])
+        r = sw.load_pretrained(m, paths[f"{kind}-noprefix"])
+        assert not r.missing_keys and not r.unexpected_keys, r
+        assert_equal_to(m, H.reference(paths[kind]), f"{kind} without prefix")
+    # A shardwise export loads back (tied weights recorded in its metadata).
+    m = fresh(paths["qwen2"])
+    sw.load_pretrained(m, paths["qwen2"])
+    sw.export_safetensors(paths["export"], m)
+    m2 = fresh(paths["qwen2"])
+    sw.load_pretrained(m2, paths["export"])
+    assert_equal_to(m2, H.reference(paths["qwen2"]), "shardwise export")
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      init_lora_weights=False)
+
+
+def peft_model(model: nn.Module) -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config())
+
+
+def peft_keys(rank: int, world: int, paths: dict[str, str]) -> None:
+    """A meta peft model: full peft state dicts and `base_model.model.` keys load, a base
+    folder fills the base weights, an adapter folder the adapters."""
+    from peft import PeftModel
+
+    llama = paths["llama"]
+    ref = PeftModel.from_pretrained(H.reference(llama), paths["adapter"])
+
+    def fresh() -> nn.Module:
+        return shard(peft_model(H.meta_model(llama)), "FULL_SHARD", world)
+
+    for what in ("peft-full", "peft-prefixed"):
+        m = fresh()
+        r = sw.load_pretrained(m, paths[what])
+        assert not r.missing_keys and not r.unexpected_keys, (what, r)
+        assert_equal_to(m, ref, what)
+    # A base folder into a peft model: adapter weights are not missing, but must exist.
+    m = fresh()
+    _raises(ValueError, lambda: sw.load_pretrained(m, llama), "lora_A.default.weight",
+            "meta device")
+    sw.materialize(m, init_fn=m.base_model.model._init_weights)
+    adapters = {k: full(v.detach()).clone() for k, v in m.named_parameters() if "lora_" in k}
+    r = sw.load_pretrained(m, llama)
+    assert not r.missing_keys and not r.unexpected_keys, r
+    base = H.reference(llama)
+    for k, v in m.named_parameters():
+        if "lora_" in k:
+            assert torch.equal(full(v.detach()), adapters[k]), k
+        else:
+            inner = k.removeprefix("base_model.model.").replace("base_layer.", "")
+            assert torch.equal(full(v.detach()), base.get_parameter(inner)), k
+    # The adapter folder (keys without the adapter name) fills the adapters.
+    r = sw.load_pretrained(m, paths["adapter"], strict=False)
+    assert r.missing_keys and all("lora_" not in k for k in r.missing_keys), r
+    assert_equal_to(m, ref, "adapter folder")
+
+
+def keys_and_peft(rank: int, world: int, paths: dict[str, str]) -> None:
+    keys_and_refusals(rank, world, paths)
+    peft_keys(rank, world, paths)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,3 +52,42 @@ def test_hybrid_and_tensor_parallel(folders: dict[str, str]) -> None:
     cases = [(folders["qwen2-split"], "HYBRID_SHARD", "qwen2-split"),
              (folders["llama-bf16"], "TP2x2", "llama-bf16")]
     run_distributed(W.matches, 4, cases)
+
+
+def _save(path: Path, sd: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(path))
+    return str(path)
+
+
+def test_keys_refusals_and_peft(folders: dict[str, str], tmp_path: Path) -> None:
+    """Strict refusals naming keys (nothing written), strict=False, unexpected keys, keys
+    without `model.` / `transformer.`, a shardwise export, peft prefixes, at 2 ranks."""
+    from peft import get_peft_model
+
+    llama = H.reference(folders["llama"]).state_dict()
+    qwen2 = H.reference(folders["qwen2-split"]).state_dict()
+    gpt2 = H.reference(folders["gpt2"]).state_dict()
+    paths = {"llama": folders["llama"], "qwen2": folders["qwen2-split"],
+             "gpt2": folders["gpt2"], "export": str(tmp_path / "export"),
+             "mismatch": H.save_tiny("llama", tmp_path / "wide", intermediate_size=44)}
+    paths["missing"] = _save(tmp_path / "missing.safetensors",
+                             {k: v for k, v in llama.items() if k != "model.norm.weight"})
+    paths["extra"] = _save(tmp_path / "extra.safetensors", {
+        **llama, "extra.weight": torch.ones(2),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(3)})
+    paths["qwen2-noprefix"] = _save(tmp_path / "qwen2-noprefix.safetensors", {
+        k.removeprefix("model."): v for k, v in qwen2.items() if k != "lm_head.weight"})
+    paths["gpt2-noprefix"] = _save(tmp_path / "gpt2-noprefix.safetensors", {
+        **{k.removeprefix("transformer."): v for k, v in gpt2.items()
+           if k != "lm_head.weight"}, "h.0.attn.bias": torch.ones(1, 1, 4, 4)})
+    torch.manual_seed(5)
+    peft = get_peft_model(H.reference(folders["llama"]), W.lora_config())
+    peft.save_pretrained(str(tmp_path / "adapter"))
+    paths["adapter"] = str(tmp_path / "adapter")
+    full_sd = peft.state_dict()
+    paths["peft-full"] = _save(tmp_path / "peft-full.safetensors", full_sd)
+    paths["peft-prefixed"] = _save(tmp_path / "peft-prefixed.safetensors", {
+        k.replace("base_layer.", "").replace(".default.", "."): v for k, v in full_sd.items()})
+    run_distributed(W.keys_and_peft, 2, paths)

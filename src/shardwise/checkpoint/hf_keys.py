@@ -102,7 +102,7 @@ def _unwrapped(key: str) -> str:
 
 
 def map_keys(model: nn.Module, model_keys: list[str], ckpt_keys: list[str]) -> KeyMap:
-    """Which checkpoint key loads each model key (first match wins, in checkpoint order)."""
+    """Which checkpoint key loads each model key, and the checkpoint keys that load nothing."""
     keyset = set(model_keys)
     root = hf_root(model)
     out = KeyMap(adapters=adapter_names(model))
@@ -123,7 +123,9 @@ def map_keys(model: nn.Module, model_keys: list[str], ckpt_keys: list[str]) -> K
             extra.add(r"(^|\.)position_ids$")
         ignore_unexpected = _pattern(
             set(getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ()) | extra)
-    for ck in ckpt_keys:
+    # transformers walks the keys in natural order and a later key overwrites an earlier
+    # one that maps to the same place ("x" and "model.x"): the same here.
+    for ck in sorted(ckpt_keys, key=_natural):
         target = ck if ck in keyset else None
         inner_key = ck
         if target is None:
@@ -140,8 +142,13 @@ def map_keys(model: nn.Module, model_keys: list[str], ckpt_keys: list[str]) -> K
             if ignore_unexpected is None or ignore_unexpected.search(inner_key) is None:
                 out.unexpected.append(ck)
             continue
-        out.targets.setdefault(target, ck)
+        out.targets[target] = ck
     return out
+
+
+def _natural(key: str) -> list[tuple[int, int | str]]:
+    """Sort key: dot-separated parts, numbers by value ("layers.2" before "layers.10")."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
 
 
 def _resolve(key: str, keyset: set[str], adapters: list[str]) -> str | None:

@@ -223,7 +223,7 @@ def _read_sharded(reader: BlockReader, st: StoredTensor, sp: ShardedParam,
                   staged: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """This rank's block of `st` into sp's shard: a new one for a meta parameter."""
     if sp.is_meta:
-        padded = sp.new_padded_shard()
+        padded = sp.new_padded_shard(zero_valid_rows=False)  # read_into writes them all
         staged.append((sp, padded))
         local = padded[: sp.local_rows]
     else:

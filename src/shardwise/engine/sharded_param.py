@@ -264,11 +264,16 @@ class ShardedParam:
 
     # --- materialization (meta -> real) ------------------------------------------------
 
-    def new_padded_shard(self) -> torch.Tensor:
-        """A zeroed (C, *rest) chunk for this rank, where the real shard will live."""
-        return torch.zeros(
-            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
-        )
+    def new_padded_shard(self, *, zero_valid_rows: bool = True) -> torch.Tensor:
+        """A (C, *rest) chunk for this rank, where the real shard will live: padding rows
+        zero, the valid rows too unless the caller writes all of them (`zero_valid_rows=
+        False`: zeroing first would touch every page twice, most of a large load's time)."""
+        shape = (self.chunk_rows, *self.rest)
+        if zero_valid_rows:
+            return torch.zeros(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded = torch.empty(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded[self.local_rows :].zero_()
+        return padded
 
     def materialize(self, padded: torch.Tensor | None = None) -> None:
         """Allocate this rank's shard for a meta parameter: zeros, or `padded` (made by
