@@ -365,6 +365,21 @@ CASES: list[Case] = [
         _plan(world_size=4, ranks_per_node=3, sharding_strategy="HYBRID_SHARD")),
     api("plan(rank)", "2 (world 2)", f"rank=2 {P}: must be an int in [0, 1]", _plan(rank=2)),
     api("plan(rank)", "'0'", "rank='0'", _plan(rank="0")),
+    api("plan(model_or_param_count)", "'llama9' (no such preset)", "model_or_param_count="
+        "'llama9': 'llama9' is neither a preset (llama3-8b, llama3-70b, llama3-405b, "
+        "qwen2-7b, mixtral-8x7b) nor a config.json file", _plan(count="llama9")),
+    api("plan(model_or_param_count)", "{'model_type': 'bert', ...}", "model_type='bert' is "
+        "not supported; supported: gemma, gpt2, llama, mistral, mixtral, qwen2",
+        _plan(count={"model_type": "bert", "hidden_size": 64})),
+    api("plan(model_or_param_count)", "a llama config without num_hidden_layers",
+        "the field 'num_hidden_layers' is missing (a llama config needs hidden_size, "
+        "num_hidden_layers", _plan(count={"model_type": "llama", "hidden_size": 64,
+                                          "num_attention_heads": 4, "vocab_size": 10,
+                                          "intermediate_size": 8})),
+    api("plan(shape)", "{...} with a config", "a config carries its own shape",
+        _plan(count="llama3-8b", shape={"n_layers": 1, "d_model": 8, "n_heads": 1,
+                                        "vocab_size": 8})),
+    api("plan(tp_embedding)", "'yes'", f"tp_embedding='yes' {P}", _plan(tp_embedding="yes")),
 ]
 
 # On 2 ranks: each call fails on every rank, and the ranks stay in step (no rank is left

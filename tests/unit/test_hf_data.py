@@ -41,7 +41,10 @@ def test_text_documents_are_packed_with_eos_in_path_order(tmp_path, folders, tok
     (tmp_path / "data" / "sub" / "c.md").write_text("Some prose, then code.")
     (tmp_path / "data" / ".hidden").write_text("never read")
     _jsonl(tmp_path / "data" / "a.jsonl", [{"text": "first doc"}, {"text": "second"}])
-    data = TC.prepare(tmp_path / "data", folders[0], tmp_path / "cache")
+    seen: list[TC.Progress] = []
+    data = TC.prepare(tmp_path / "data", folders[0], tmp_path / "cache", progress=seen.append)
+    assert seen and seen[-1].bytes_done == seen[-1].bytes_total  # the last report: all done
+    assert (seen[-1].documents, seen[-1].tokens) == (4, len(data.tokens))
     eos = tok.eos_token_id
     want = [*_ids(tok, "first doc"), eos, *_ids(tok, "second"), eos,
             *_ids(tok, "def b():\n    return 2\n"), eos, *_ids(tok, "Some prose, then code."), eos]
@@ -131,6 +134,10 @@ def test_second_prepare_reads_the_cache_and_keys_follow_data_and_tokenizer(
     assert not again.built and again.key == first.key
     assert np.array_equal(again.tokens, first.tokens) and isinstance(again.tokens, np.memmap)
     monkeypatch.undo()
+    with (first.path / "mask.bin").open("r+b") as f:  # a truncated entry is named, not read
+        f.truncate(10)
+    with pytest.raises(ValueError, match=r"token cache entry .* is damaged \(mask.bin: 10 "):
+        TC.prepare(path, folders[0], tmp_path / "cache")
     # A changed data byte, another tokenizer (here: the chat template alone) -> new keys.
     other_tok = TC.data_key(path, folders[1])
     path.write_text(path.read_text().replace("c299", "c2999"))
@@ -152,6 +159,17 @@ def test_large_vocabularies_are_stored_as_int32(tmp_path, folders, monkeypatch) 
     monkeypatch.setattr(H.Encoder, "__init__", big)
     data = TC.prepare(_tiny(tmp_path, 20), folders[0], tmp_path / "cache")
     assert data.tokens.dtype == np.int32 and data.meta["dtype"] == "<i4"
+
+
+def test_an_id_past_the_file_dtype_is_refused_not_wrapped(tmp_path, folders,
+                                                          monkeypatch) -> None:
+    def too_big(self, docs, wheres):  # noqa: ANN001
+        return [H.Encoded(np.array([70_000, 0]), np.array([1, 1], np.uint8))]
+
+    monkeypatch.setattr(H.Encoder, "encode", too_big)
+    with pytest.raises(RuntimeError, match="token id 70000 does not fit uint16"):
+        TC.prepare(_tiny(tmp_path, 5), folders[0], tmp_path / "runs" / "cache")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ranks_read_disjoint_slices_and_resume_anywhere(tmp_path, folders) -> None:
@@ -188,6 +206,15 @@ def test_split_windows_and_validation_batches(tmp_path, folders) -> None:
     k = (len(m) - 1) // 16
     assert parts.train.starts.tolist() == [
         w * 16 for w in range(k) if m[w * 16 + 1 : w * 16 + 17].any()]
+    # Targets are the next tokens, -100 where the mask says a token does not count.
+    x, y = parts.train.rows(np.array([0, 3]))
+    for row, w in enumerate([0, 3]):
+        s = int(parts.train.starts[w])
+        toks = torch.from_numpy(data.tokens[s : s + 17].astype(np.int64))
+        keep = torch.from_numpy(data.mask[s + 1 : s + 17].astype(bool))
+        assert torch.equal(x[row], toks[:-1])
+        assert torch.equal(y[row], torch.where(keep, toks[1:], -100))
+    assert (y == -100).any() and (y >= 0).any()
     a = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
     b = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
     assert len(a) == 3 and all(torch.equal(p[1], q[1]) for p, q in zip(a, b))
@@ -240,6 +267,19 @@ def test_failure_after_the_first_batch_removes_partial_output(tmp_path, folders,
     with pytest.raises(ValueError, match="d.jsonl line 21"):
         TC.prepare(_jsonl(tmp_path / "d.jsonl", records), folders[0], cache)
     assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_template_that_is_not_prefix_stable_is_refused(tmp_path) -> None:
+    from tests.hf_tokenizer import make_tokenizer
+
+    tok = make_tokenizer()
+    # The turn count up front: rendering the first k messages is not the start of all of them.
+    tok.chat_template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(str(tmp_path / "model"))
+    path = _jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}] * 2)
+    _refused(tmp_path, path, tmp_path / "model",
+             "d.jsonl line 1: the tokenizer's chat template does not render a conversation "
+             "prefix by prefix")
 
 
 def test_no_tokenizer_and_no_data_name_the_path(tmp_path, folders) -> None:

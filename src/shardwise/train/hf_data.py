@@ -42,7 +42,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "chat_template.jinja", "chat_template.json")
 JSONL_SUFFIX = ".jsonl"
 # Text files are tokenized in pieces of about this many characters, cut after a newline
-# (a newline is its own pre-token in byte-level BPE, so the ids are the same).
+# (a newline is its own pre-token in byte-level BPE, so the ids are the same; a
+# SentencePiece-style tokenizer may add one word-start marker per piece).
 _PIECE_CHARS = 1 << 20
 # Documents per call into the Rust tokenizer (it encodes a batch in parallel).
 BATCH_DOCS = 512
@@ -215,7 +216,8 @@ class Encoder:
     def __init__(self, tok: Any) -> None:
         self.tok = tok
         self.eos = int(tok.eos_token_id)
-        self.vocab_size = len(tok)
+        # The largest id + 1 (added tokens may sit past len(tok)): it decides the file dtype.
+        self.vocab_size = max(len(tok), max(tok.get_vocab().values(), default=0) + 1)
         self.chat_template = bool(getattr(tok, "chat_template", None))
         # What the tokenizer puts around a text by itself (a BOS for Llama, nothing for
         # GPT-2): the part before the text is kept, an EOS after it is ours to add.

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +110,13 @@ def open_entry(entry: str | Path) -> TokenData:
     path = Path(entry)
     meta = json.loads((path / "meta.json").read_text())
     n = int(meta["tokens"])
+    for name, itemsize in (("tokens.bin", np.dtype(meta["dtype"]).itemsize), ("mask.bin", 1)):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else -1
+        if size != n * itemsize:
+            raise ValueError(f"token cache entry {str(path)!r} is damaged ({name}: {size} "
+                             f"bytes, {n * itemsize} expected): delete that folder to "
+                             "tokenize again")
     tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,))
     mask = np.memmap(path / "mask.bin", dtype=np.uint8, mode="r", shape=(n,))
     return TokenData(tokens, mask, meta["key"], meta, path, built=False)
@@ -132,7 +140,7 @@ def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Pa
         return open_entry(entry)
     tok = H.load_tokenizer(model_folder)
     created = _first_missing(cache)
-    tmp = cache / f".{key}.tmp-{os.getpid()}"
+    tmp = cache / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -151,6 +159,7 @@ def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Pa
         raise
     data = open_entry(entry)
     data.built = True
+    log.debug("tokenized %s into %s: %d tokens", data_path, entry, len(data.tokens))
     return data
 
 
@@ -165,16 +174,21 @@ def prepare_shared(data_path: str | Path, model_folder: str | Path, cache_dir: s
 
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     mine: dict[str, Any] = {}
+    failure: Exception | None = None
     if first:
         try:
             data = prepare(data_path, model_folder, cache_dir, progress=progress)
             mine = {"key": data.key, "built": data.built}
-        except (ValueError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+            failure = e
             mine = {"error": str(e), "type": type(e).__name__}
     answers = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
+    if failure is not None:
+        raise failure
     for a in answers:
         if "error" in a:
-            raise (OSError if a["type"] == "OSError" else ValueError)(a["error"])
+            kind = {"ValueError": ValueError, "OSError": OSError}.get(a["type"])
+            raise kind(a["error"]) if kind else RuntimeError(f"{a['type']}: {a['error']}")
     keys = sorted({a["key"] for a in answers if a})
     if len(keys) != 1:
         raise ValueError(f"the nodes' data or tokenizer differ (cache keys {', '.join(keys)}): "
@@ -213,6 +227,7 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
            progress: Callable[[Progress], None] | None) -> dict[str, Any]:
     """Tokenize every document into tmp/tokens.bin and tmp/mask.bin; return the metadata."""
     dtype = np.dtype("<u2") if enc.vocab_size <= 1 << 16 else np.dtype("<i4")
+    limit = int(np.iinfo(dtype).max)
     total = sum(p.stat().st_size for p in H.data_files(data_path))
     t0 = last = time.perf_counter()
     done = n_docs = n_tokens = n_counted = skipped = 0
@@ -223,6 +238,9 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
                 if counted == 0:  # nothing to learn from (a chat without assistant turns)
                     skipped += 1
                     continue
+                if len(e.ids) and int(e.ids.max()) > limit:  # would wrap around silently
+                    raise RuntimeError(f"token id {int(e.ids.max())} does not fit {dtype.name}"
+                                       f" (the tokenizer reports {enc.vocab_size} ids)")
                 ft.write(e.ids.astype(dtype).tobytes())
                 fm.write(e.mask.tobytes())
                 n_docs += 1
@@ -237,7 +255,8 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
         raise ValueError(f"data.path={str(data_path)!r} holds no text to train on (no "
                          "documents, or none with a token that counts for the loss)")
     if progress is not None:
-        progress(Progress(done, total, n_docs, n_tokens, time.perf_counter() - t0))
+        # All of it (blank lines, which count toward no document, included).
+        progress(Progress(total, total, n_docs, n_tokens, time.perf_counter() - t0))
     return {"format": FORMAT, "tokens": n_tokens, "counted": n_counted, "documents": n_docs,
             "skipped_documents": skipped, "dtype": dtype.str, "eos_id": enc.eos,
             "vocab_size": enc.vocab_size, "chat_template": enc.chat_template,
@@ -268,10 +287,16 @@ class TokenPart:
 
     def rows(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of these windows, each (len(windows), seq_len) int64 on CPU."""
-        pos = self.starts[windows][:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
-        rows = torch.from_numpy(self.tokens[pos].astype(np.int64))
-        keep = torch.from_numpy(self.mask[pos[:, 1:]].astype(np.bool_))
-        return rows[:, :-1], rows[:, 1:].masked_fill(~keep, IGNORE)
+        T = self.seq_len
+        x = np.empty((len(windows), T), np.int64)
+        y = np.empty((len(windows), T), np.int64)
+        keep = np.empty((len(windows), T), np.uint8)
+        # One contiguous slice per window: a few pages of the map, no gather.
+        for i, s in enumerate(self.starts[windows].tolist()):
+            row = self.tokens[s : s + T + 1]
+            x[i], y[i], keep[i] = row[:-1], row[1:], self.mask[s + 1 : s + T + 1]
+        np.putmask(y, keep == 0, IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
 
 
 @dataclass
