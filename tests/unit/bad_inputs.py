@@ -74,6 +74,9 @@ class Net(nn.Module):
         return x
 
 
+_LIN = nn.Linear(2, 2)
+
+
 def sharded() -> nn.Module:
     return sw.shard_model(Net())
 
@@ -156,10 +159,27 @@ CASES: list[Case] = [
         _fs(mesh=3)),
     api("fully_shard(mesh)", "object with ndim=1, no get_group", "must be None or a 1-D or 2-D "
         "torch DeviceMesh", _fs(mesh=SimpleNamespace(ndim=1))),
-    api("fully_shard(module)", "[m1, m2]", "fully_shard on a list of 2 modules is not "
-        "supported", lambda: sw.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])),  # type: ignore[arg-type]
-    api("fully_shard(reshard_after_forward)", "1", "reshard_after_forward=1 is not supported: "
-        "must be a bool", _fs(reshard_after_forward=1)),
+    api("fully_shard(module)", "[]", "fully_shard got an empty list of modules",
+        lambda: sw.fully_shard([])),
+    api("fully_shard(module)", "[m, m]", "fully_shard got a list with the same module twice",
+        lambda: sw.fully_shard([_LIN, _LIN])),
+    api("fully_shard(reshard_after_forward)", "'yes'", "reshard_after_forward='yes' must be "
+        "None, a bool or an int group size", _fs(reshard_after_forward="yes")),
+    api("fully_shard(reshard_after_forward)", "3 (shard group of 1)", "reshard_after_forward=3 "
+        "as an int must be a divisor of the shard group size 1", _fs(reshard_after_forward=3)),
+    # FSDP2's module methods and module-level functions
+    api("FSDPModule.set_reshard_after_forward", "1", "reshard_after_forward should be a bool",
+        lambda: sharded().set_reshard_after_forward(1)),  # type: ignore[arg-type]
+    api("FSDPModule.set_all_reduce_hook", "3", "hook=3 must be a callable",
+        lambda: sharded().set_all_reduce_hook(3)),  # type: ignore[arg-type]
+    api("FSDPModule.set_custom_all_gather", "3", "must implement FSDP2's Comm protocol",
+        lambda: sharded().set_custom_all_gather(3)),
+    api("FSDPModule.set_post_optim_event", "3", "event=3 must be a torch.Event",
+        lambda: sharded().set_post_optim_event(3)),
+    api("register_fsdp_forward_method(method_name)", "'nope'", "does not have a method 'nope'",
+        lambda: sw.register_fsdp_forward_method(sharded(), "nope")),
+    api("share_comm_ctx(modules)", "[nn.Linear]", "share_comm_ctx expects sharded modules",
+        lambda: sw.share_comm_ctx([nn.Linear(2, 2)])),
     api("fully_shard(mp_policy)", "'bf16'", "mp_policy='bf16' must be sw.MixedPrecisionPolicy",
         _fs(mp_policy="bf16")),
     api("fully_shard(offload_policy)", "True", "offload_policy=True must be sw.CPUOffloadPolicy",
