@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import _worker  # noqa: F401  (first: see its docstring)
+from .checkpoint.adapter import save_adapter
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.pretrained import LoadResult, load_pretrained
@@ -60,6 +61,7 @@ __all__ = [
     "plan",
     "precision_plan",
     "register_fsdp_forward_method",
+    "save_adapter",
     "save_checkpoint",
     "set_debug",
     "shard_model",

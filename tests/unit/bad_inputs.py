@@ -284,6 +284,14 @@ CASES: list[Case] = [
         lambda: sw.load_checkpoint(NO_SUCH, sharded(), 3)),  # type: ignore[arg-type]
     api("load_checkpoint(verify)", "'yes'", f"verify='yes' {P}",
         lambda: sw.load_checkpoint(NO_SUCH, sharded(), verify="yes")),  # type: ignore
+    api("load_checkpoint(trainable_only)", "'yes'", f"trainable_only='yes' {P}",
+        lambda: sw.load_checkpoint(NO_SUCH, sharded(), trainable_only="yes")),  # type: ignore
+    api("save_checkpoint(trainable_only)", "'yes'", f"trainable_only='yes' {P}",
+        lambda: sw.save_checkpoint(NO_SUCH, sharded(), trainable_only="yes")),  # type: ignore
+    api("save_adapter(model)", "(not peft)", "is not a peft model",
+        lambda: sw.save_adapter(NO_SUCH, sharded())),
+    api("save_adapter(path)", "(a file)", "already exists; give a new folder",
+        lambda: sw.save_adapter(__file__, sharded())),
     api("export_safetensors(path)", "''", f"path='' {P}",
         lambda: sw.export_safetensors("", sharded())),
     api("export_safetensors(path)", "(a file)", f"{P}: it is a file; give a folder",

@@ -121,14 +121,17 @@ class ModelView:
     params: dict[int, tuple[str, ShardedParam | None]]
 
 
-def model_view(model: nn.Module) -> ModelView:
-    """The model's state-dict keys mapped to sharded parameters, tied keys to their first."""
+def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
+    """The model's state-dict keys mapped to sharded parameters, tied keys to their first.
+    `trainable_only`: only parameters that require grad (a LoRA run's adapters)."""
     canonical = {id(sp): fqn for fqn, sp in named_sharded_params(model)}
     entries: list[ModelEntry] = []
     keys: list[str] = []
     aliases: dict[str, str] = {}
     first_plain: dict[int, str] = {}
     for key, t in model.state_dict(keep_vars=True).items():
+        if trainable_only and not t.requires_grad:
+            continue
         keys.append(key)
         sp = getattr(t, "_sw_param", None)
         if sp is not None:
