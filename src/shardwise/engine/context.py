@@ -15,7 +15,6 @@ from __future__ import annotations
 import zlib
 
 import torch
-from torch import nn
 
 from . import collectives as C
 from .events import EventSink
@@ -124,15 +123,6 @@ class ModelContext:
         """Root final callback: every gradient reduced, every unit sharded."""
         self.schedule.end_backward()
         self._final_queued = False
-
-
-def context_of(model: nn.Module) -> ModelContext | None:
-    """The context of the sharded root at or below `model` (None: nothing sharded)."""
-    for m in model.modules():
-        u = getattr(m, "_sw_unit", None)
-        if u is not None:
-            return u.ctx
-    return None
 
 
 def _check_same_layout(units: list[Unit]) -> None:
