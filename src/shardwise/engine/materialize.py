@@ -22,12 +22,25 @@ def materialize(
 ) -> nn.Module:
     """Allocate the local shards of a sharded meta-device model, then initialize them.
 
-    Each module's `reset_parameters()` (or `init_fn(module)` when given) runs on the module
-    while it holds only its shards, so no rank ever holds the whole model. Dim-0 sharding
-    leaves fan-in (dim 1) intact, so standard initializers keep their scale. Each shard rank
-    draws from its own random stream (seed + shard rank); replicas share it.
+    Without `init_fn`, each module's `reset_parameters()` runs while the module holds plain
+    views of its local shards, so no rank ever holds the whole model (dim-0 sharding leaves
+    fan-in, dim 1, intact: standard initializers keep their scale).
+
+    `init_fn(module)` is called on every module while it holds its sharded parameters as
+    DTensors, as after FSDP2's `to_empty`: `param.shape` is the full shape, so an init that
+    reasons about full shapes (a fused-QKV weight sliced by the model's dims, a std from
+    the full fan-out) sees the same numbers as on the unsharded model; in-place writes land
+    in this rank's shard; a full tensor it builds goes in with
+    `param.copy_(distribute_tensor(full, param.device_mesh, param.placements))`.
+    Parameters that are not sharded (ignored ones, one-element ones) are plain tensors.
+
+    Each shard rank draws from its own random stream (seed + shard rank); replicas share
+    it. (DTensor random ops on an accelerator mesh draw through DTensor's own generator,
+    which gives every shard its part of one draw.)
     Without `seed`, rank 0 draws one and every rank uses it (ranks seeded differently, as
     `torch.manual_seed(base + rank)` does, must still start replicas identical).
+    peft LoRA layers re-run their own adapter init after the pass ([Note: LoRA init]): B
+    starts at zero whatever `init_fn` did to it, so an adapted model starts as its base.
     Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
     unfilled (a non-persistent buffer such as rotary `inv_freq`, which a meta-device
     constructor could not compute) is refused by name rather than left as garbage.
@@ -75,12 +88,17 @@ def materialize(
         with warnings.catch_warnings():
             # A rank whose shard of a small parameter is empty initializes zero elements.
             warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
-            with torch.no_grad(), _plain_shards(model):
+            # Not an error: DTensor's random ops on a CPU mesh draw from the (seeded) local
+            # generator, which is exactly the per-shard-rank stream.
+            warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+            plain = _plain_shards(model) if init_fn is None else contextlib.nullcontext()
+            with torch.no_grad(), plain:
                 for m in model.modules():
                     if init_fn is not None:
                         init_fn(m)
                     elif hasattr(m, "reset_parameters") and callable(m.reset_parameters):
                         m.reset_parameters()
+                _reset_adapters(model)
     # Buffers and ignored parameters are replicated, not sharded, but their initializers
     # drew from each shard rank's own stream: rank 0's values are everyone's.
     if C.world_size() > 1:
@@ -96,6 +114,29 @@ def materialize(
             "reset_parameters() or in init_fn (e.g. recompute rotary inv_freq there), or "
             "create them outside the meta device")
     return model
+
+
+def _reset_adapters(model: nn.Module) -> None:
+    """[Note: LoRA init] peft's LoRA layers initialize their own children (A random, B zero,
+    so the adapted model starts as the base model). The pass above reached those children as
+    plain `nn.Linear`s (a model's `_init_weights` or `reset_parameters` draws B non-zero), so
+    each LoRA layer re-runs its own adapter init last. Recognized by peft's method (duck
+    typed: shardwise does not import peft); the init kind comes from the model's peft_config.
+    """
+    configs = getattr(model, "peft_config", None) or {}
+    for m in model.modules():
+        reset = getattr(m, "reset_lora_parameters", None)
+        adapters = getattr(m, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            continue
+        for name in adapters.keys():
+            init = getattr(configs.get(name), "init_lora_weights", True)
+            if init is not True and init is not False and init != "gaussian":
+                raise ValueError(
+                    f"materialize cannot recreate init_lora_weights={init!r} (adapter "
+                    f"{name!r}): it needs the base weights. Materialize or load the base "
+                    "model first, then add the adapter (or use init_lora_weights=True)")
+            reset(name, init)
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ class ScheduledUnit(Protocol):
     state: ShardedState
     training_state: TrainingState
     reshard_after_forward: bool
+    reshards_after_forward: bool  # this step: reshard_after_forward, with the root's rule
     reshard_after_backward: bool
     is_root: bool
 
@@ -127,7 +128,7 @@ class Schedule(Generic[U]):
             self._prefetch(self.order[pos + 1])
 
     def post_forward(self, unit: U) -> None:
-        if unit.reshard_after_forward and not unit.is_root:
+        if unit.reshards_after_forward:
             unit.reshard()
         unit.training_state = TrainingState.IDLE
 
@@ -149,11 +150,12 @@ class Schedule(Generic[U]):
         """`unit`'s backward is about to run (once per gradient reaching its outputs)."""
         self.state = TrainingState.PRE_BACKWARD
         unit.training_state = TrainingState.PRE_BACKWARD
-        unit.wait_unshard()
+        if _unshards_in_backward(unit):
+            unit.wait_unshard()
         if not self.prefetch or not self.order:
             return
         i = self._index.get(id(unit))
-        if i is not None and i > 0:
+        if i is not None and i > 0 and _unshards_in_backward(self.order[i - 1]):
             self._prefetch(self.order[i - 1])
 
     def post_backward(self, unit: U) -> None:
@@ -193,3 +195,8 @@ class Schedule(Generic[U]):
             unit.unshard(async_op=True)
             self.prefetches += 1
             self.most_gathers = max(self.most_gathers, in_flight + 1)
+
+
+def _unshards_in_backward(unit: ScheduledUnit) -> bool:
+    """False for a unit whose backward needs no parameter values (set_unshard_in_backward)."""
+    return getattr(unit, "unshard_in_backward", True)
