@@ -16,6 +16,7 @@ import zlib
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import collectives as C
 from .events import EventSink

@@ -25,7 +25,7 @@ from .buffers import BufferPool
 from .events import Event, Span, now
 from .mesh import MeshInfo
 from .pack import pack_grad, prescale
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
 from .transport import Transport
@@ -79,8 +79,15 @@ class PendingReduce:
     # 1/factor when the pack divided already ([Note: divide in the pack]); None: divide after.
     prescale: float | None = None
 
+    # Set once the result is in the sharded gradients: finishing twice would release the
+    # send buffer twice and add the gradient twice.
+    finished: bool = False
+
     def finish(self) -> None:
-        self.unit.finish_reduce(self)
+        """Wait for the reduction and write its result (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.unit.finish_reduce(self)
 
 
 class Unit:
@@ -92,7 +99,6 @@ class Unit:
         mesh: MeshInfo,
         reshard_after_forward: bool,
         mp: MixedPrecisionPolicy | None,
-        offload: CPUOffloadPolicy | None,
         pool: BufferPool,
     ) -> None:
         self.module = module
@@ -106,7 +112,6 @@ class Unit:
         # (backward starts there); an explicit value applies to the root too.
         self.auto_reshard_after_forward = True
         self.mp = mp
-        self.offload = offload
         self.pool = pool
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -176,7 +181,8 @@ class Unit:
             self.set_params(self.params)
 
     def has_unreduced_grads(self) -> bool:
-        return any(p.local_grad() is not None for g in self.buckets for p in g.grad_params)
+        """Whether a gradient waits for a reduction (a pure question: nothing moves)."""
+        return any(p.has_local_grad() for g in self.buckets for p in g.grad_params)
 
     @property
     def reshards_after_forward(self) -> bool:
