@@ -72,3 +72,16 @@ def no_shard_frees_last_gradient(rank: int, world: int) -> bool:
     alive = sum(r() is not None for r in refs)
     assert alive == 0, f"{alive} of last step's gradients are still held after zero_grad"
     return True
+
+
+def fp16_reduction_stays_finite(rank: int, world: int) -> dict[str, float]:
+    """fp16 reduction of gradients whose sum over the ranks overflows fp16 (max 65504)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 8, bias=False)
+    mp = sw.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    sw.fully_shard(m, mp_policy=mp)
+    # d(loss)/dW = 3e4 everywhere on every rank: each rank's gradient fits fp16, the sum of
+    # three or four (9e4, 1.2e5) does not, their mean (3e4) does.
+    (m(torch.ones(1, 4, dtype=torch.float16)).float() * 3e4).sum().backward()
+    g = m.weight.grad.to_local() if hasattr(m.weight.grad, "to_local") else m.weight.grad
+    return {"finite": float(torch.isfinite(g).all()), "worst": (g - 3e4).abs().max().item()}
