@@ -167,15 +167,6 @@ def _named_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
             for n, m in top.named_modules()]
 
 
-def context_of(model: nn.Module) -> ModelContext | None:
-    """The context of the sharded root at or below `model` (None: nothing sharded)."""
-    for m in model.modules():
-        u = getattr(m, "_sw_unit", None)
-        if u is not None:
-            return u.ctx
-    return None
-
-
 def _check_same_layout(units: list[Unit]) -> None:
     """Every rank must shard the same model the same way, or collectives would mismatch.
 

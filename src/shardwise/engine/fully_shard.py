@@ -166,8 +166,7 @@ def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_fo
     modules = module if isinstance(module, list) else [module]
     new, rehome = _collect_params(modules, ignored, owned, tp)
     params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp)
-    unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, offload,
-                BufferPool())
+    unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, BufferPool())
     unit.modules = list(modules)
     unit.auto_reshard_after_forward = auto
     for sp in params:

@@ -126,19 +126,17 @@ class MixedPrecisionPolicy:
 class CPUOffloadPolicy:
     """Keep sharded state in host memory; move it to the compute device per unit.
 
-    params: sharded parameters live on the CPU (the optimizer steps there).
-    grads: sharded gradients are copied to the CPU after reduce-scatter.
-    optimizer_state: optimizer state follows the parameters (it is created where they live).
+    params: sharded parameters live on the CPU. Their gradients are written there after
+        the reduction, and the optimizer state, created where the parameters live, follows:
+        so parameters, gradients and optimizer state move together, as in FSDP2.
     pin_memory: page-lock host buffers so device copies can run asynchronously.
     """
 
     params: bool = True
-    grads: bool = True
-    optimizer_state: bool = True
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
-        for field in ("params", "grads", "optimizer_state", "pin_memory"):
+        for field in ("params", "pin_memory"):
             check_bool(f"CPUOffloadPolicy.{field}", getattr(self, field))
 
     @classmethod

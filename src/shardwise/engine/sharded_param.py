@@ -14,6 +14,7 @@ the sharded parameter is a DTensor whose local tensor is `local` (dtensor.py
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,7 +98,7 @@ class ShardedParam:
         self.acc_grad: torch.Tensor | None = None
         # Direct parameters keep their gradient in place: (tensor, version) of the one last
         # handed to a reduction, so that an untouched gradient is not reduced twice.
-        self._handed: tuple[torch.Tensor, int] | None = None
+        self._handed: tuple[weakref.ref[torch.Tensor], int] | None = None
         padded = torch.zeros(
             (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self._shard_device(param)
         )
@@ -167,14 +168,25 @@ class ShardedParam:
 
     # --- this rank's gradient before reduction -------------------------------------------
 
+    def _direct_grad_is_new(self, g: torch.Tensor | None) -> bool:
+        h = self._handed
+        return g is not None and not (h is not None and h[0]() is g and g._version == h[1])
+
+    def has_local_grad(self) -> bool:
+        """Whether `local_grad()` would return a gradient, without folding or moving any."""
+        if self.direct:
+            return self._direct_grad_is_new(self.sharded.grad)
+        return self.unsharded.grad is not None or self.acc_grad is not None
+
     def local_grad(self) -> torch.Tensor | None:
-        """This rank's full-shape gradient not yet handed to a reduction (None if none)."""
+        """This rank's full-shape gradient not yet handed to a reduction (None if none).
+
+        Not a predicate: gradients accumulated under no_sync are folded into `acc_grad`
+        here (see `has_local_grad` for the question alone).
+        """
         if self.direct:
             g = self.sharded.grad
-            h = self._handed
-            if g is None or (h is not None and h[0] is g and g._version == h[1]):
-                return None
-            return g
+            return g if self._direct_grad_is_new(g) else None
         g = self.unsharded_grad()
         if self.acc_grad is None:
             return g
@@ -218,7 +230,9 @@ class ShardedParam:
 
     def mark_reduced(self) -> None:
         g = self.sharded.grad
-        self._handed = (g, g._version) if g is not None else None
+        # A weak reference: the reduced gradient is the user's to free (zero_grad); holding it
+        # here kept last step's gradient alive until the next reduction (NO_SHARD).
+        self._handed = (weakref.ref(g), g._version) if g is not None else None
 
     def _shard_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("meta") if param.is_meta else self.host_device

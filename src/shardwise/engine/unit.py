@@ -25,7 +25,7 @@ from .buffers import BufferPool
 from .events import Event, Span, now
 from .mesh import MeshInfo
 from .pack import pack_grad, prescale
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
 from .transport import Transport
@@ -76,11 +76,19 @@ class PendingReduce:
     start: float
     # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
     complete: bool = True
-    # 1/factor when the pack divided already ([Note: divide in the pack]); None: divide after.
-    prescale: float | None = None
+    # What is left to divide by after the sum (1: the pack divided already, [Note: divide
+    # in the pack]).
+    post: float = 1.0
+
+    # Set once the result is in the sharded gradients: finishing twice would release the
+    # send buffer twice and add the gradient twice.
+    finished: bool = False
 
     def finish(self) -> None:
-        self.unit.finish_reduce(self)
+        """Wait for the reduction and write its result (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.unit.finish_reduce(self)
 
 
 class Unit:
@@ -92,7 +100,6 @@ class Unit:
         mesh: MeshInfo,
         reshard_after_forward: bool,
         mp: MixedPrecisionPolicy | None,
-        offload: CPUOffloadPolicy | None,
         pool: BufferPool,
     ) -> None:
         self.module = module
@@ -106,7 +113,6 @@ class Unit:
         # (backward starts there); an explicit value applies to the root too.
         self.auto_reshard_after_forward = True
         self.mp = mp
-        self.offload = offload
         self.pool = pool
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -177,7 +183,8 @@ class Unit:
             self.set_params(self.params)
 
     def has_unreduced_grads(self) -> bool:
-        return any(p.local_grad() is not None for g in self.buckets for p in g.grad_params)
+        """Whether a gradient waits for a reduction (a pure question: nothing moves)."""
+        return any(p.has_local_grad() for g in self.buckets for p in g.grad_params)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -357,7 +364,7 @@ class Unit:
                 send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
                         else torch.empty(width, dtype=dtype, device=mesh.device))
                 rows = send.view(S, width)
-                scale = self._prescale()
+                scale, post = self._divide(dtype)
                 for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
                     pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
                     p.drop_local_grad()
@@ -368,24 +375,35 @@ class Unit:
                     out = torch.empty(width, dtype=dtype, device=mesh.device)
                     work = self.transport.reduce_scatter(out, send, True, self.pool,
                                                          label=self.label)
-                    pending.append(PendingReduce(self, g, send, out, work, start, complete, scale))
+                    pending.append(PendingReduce(self, g, send, out, work, start, complete, post))
                 else:
                     work = C.all_reduce(send, mesh.replicate_group, async_op=True,
                                         label=self.label) \
                         if mesh.replicate_size > 1 else Work(None, send)
                     pending.append(PendingReduce(self, g, None, send, work, start, complete,
-                                                 scale))
+                                                 post))
         return pending
 
-    def _prescale(self) -> float | None:
-        """1/factor when the divide goes into the pack ([Note: divide in the pack]).
+    def _divide(self, dtype: torch.dtype) -> tuple[float | None, float]:
+        """How the divide by the data-parallel size (or the set factor) splits around the
+        sum: (scale applied in the pack or None, divisor left for after the sum).
 
+        A power-of-two factor goes into the pack ([Note: divide in the pack]). In fp16, N
+        summed gradients can overflow where their mean would not, so, as FSDP2 does, about
+        sqrt(N) (a power of two: exact) is divided before the sum and the rest after it.
         Not when the sum itself must be seen: an all-reduce hook under forced-sum reduction
         (FSDP2's contract) receives the undivided sum.
         """
+        factor = self.grad_divide_factor or self.mesh.dp_size
         if self.force_sum_reduction:
-            return None
-        return prescale(self.grad_divide_factor or self.mesh.dp_size)
+            return None, factor
+        if dtype == torch.float16:
+            pre = 1
+            while factor % pre == 0 and factor / pre > pre:
+                pre *= 2
+            return (1.0 / pre if pre > 1 else None), factor / pre
+        scale = prescale(factor)
+        return scale, (1.0 if scale is not None else factor)
 
     def _flags(self, g: FlatBucket, grads: list, dtype: torch.dtype,
                complete: bool) -> torch.Tensor:
@@ -420,14 +438,13 @@ class Unit:
         n_grad = pr.bucket.grad_numel
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
-        # Sum then divide: the mean over ranks of each rank's mean loss gradient (unless the
-        # pack divided already: [Note: divide in the pack]).
-        factor = self.grad_divide_factor or mesh.dp_size
+        # The mean over ranks of each rank's mean loss gradient: what the pack did not divide
+        # yet is divided now (Unit._divide).
         hook = self.all_reduce_hook
         if hook is not None and self.force_sum_reduction:
             self._run_hook(hook, out[:n_grad])  # FSDP2: the hook sees the sum, then divides
-        if factor != 1 and pr.prescale is None:
-            out[:n_grad].div_(factor)
+        if pr.post != 1:
+            out[:n_grad].div_(pr.post)
         if hook is not None and not self.force_sum_reduction:
             self._run_hook(hook, out[:n_grad])
         with torch.no_grad():
