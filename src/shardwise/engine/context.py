@@ -119,6 +119,11 @@ class ModelContext:
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
+            # Still gathered from a forward that no backward followed (grad enabled, the
+            # root and reshard_after_forward=False units keep their parameters), and the
+            # shards changed since (an optimizer step): the full parameters are stale.
+            if u.shards_changed_since_gather():
+                u.reshard()
         self.schedule.begin_forward()
 
     def ensure_backward(self) -> None:

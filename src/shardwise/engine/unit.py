@@ -135,6 +135,7 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[_PendingGather] = []
+        self._gathered_versions: list[tuple[int, int]] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
         # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
         # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
@@ -277,6 +278,18 @@ class Unit:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.unsharded
         self.state = ShardedState.UNSHARDED
+        self._gathered_versions = self._shard_versions()
+
+    def _shard_versions(self) -> list[tuple[int, int]]:
+        # An in-place update of the DTensor parameter bumps the wrapper's counter only; one
+        # of the plain local rows (a view of padded_shard) bumps the shared one.
+        return [(p.sharded._version, p.padded_shard._version) for p in self.params
+                if not p.direct]
+
+    def shards_changed_since_gather(self) -> bool:
+        """Unsharded, and some shard was written in place since it was gathered."""
+        return (self.state is ShardedState.UNSHARDED
+                and self._shard_versions() != self._gathered_versions)
 
     def reshard(self) -> None:
         """Free the full parameters; the modules see the shards again."""
