@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -10,7 +10,7 @@ from torch import nn
 
 from . import dtensor as DT
 from .buffers import BufferPool
-from .checks import check_module, check_params
+from .checks import check_module, check_params, check_shard_placement
 from .context import ModelContext
 from .hooks import forward_post_hook, forward_pre_hook
 from .inspect import units_of
@@ -97,16 +97,19 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: CPUOffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
 ) -> nn.Module:
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
     Call it on the blocks first and on the root last. The module keeps its class and gains
     FSDP2's module methods (module_api.py). `mp_policy` and `offload_policy` also take
-    torch.distributed.fsdp's own policy objects.
+    torch.distributed.fsdp's own policy objects. `shard_placement_fn` may return `Shard(0)` or
+    None for each parameter; another dim is refused (checks.check_shard_placement).
     """
     mp, offload, ignored = _validate(module, reshard_after_forward, mp_policy, offload_policy,
                                      ignored_params)
     assert isinstance(module, nn.Module)
+    check_shard_placement(module, shard_placement_fn, ignored)
     # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
     tp = context_for(module, mesh)
     return _shard(module, mesh_info_for(mesh), reshard_after_forward, mp, offload,
