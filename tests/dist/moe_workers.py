@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import shardwise as sw
 from tests.dist.harness import run_parity
@@ -123,17 +124,20 @@ def _shard_hand(m: nn.Module, units: str) -> None:
             for ex in layer.moe.experts:
                 sw.fully_shard(ex)
         if units == "stacked":
-            sw.fully_shard(layer.moe.experts)
+            # FSDP2's argument: dim 0 (the experts) for the 3-D weights.
+            sw.fully_shard(layer.moe.experts, shard_placement_fn=lambda p: Shard(0))
         if units != "experts":
             sw.fully_shard(layer)
     sw.fully_shard(m)
 
 
-def hand_moe(rank: int, world: int, debug: bool) -> dict[str, dict[str, float]]:
-    """Per-layer units, per-expert units (with and without layer units) and 3-D experts."""
+def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...]
+             ) -> dict[str, dict[str, float]]:
+    """Per-layer units ("layers"), per-expert units with and without layer units ("experts",
+    "experts+layers") and 3-D experts ("stacked", "stacked-grad-op")."""
     sw.set_debug(debug)
     out = {}
-    for units in ("layers", "experts", "experts+layers", "stacked", "stacked-grad-op"):
+    for units in cases:
         stacked = units.startswith("stacked")
 
         def shard(m: nn.Module, units: str = units) -> None:
@@ -182,12 +186,12 @@ def _hf_loss(m: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return m(input_ids=b[0], labels=b[1]).loss
 
 
-def hf_moe(rank: int, world: int) -> dict[str, object]:
-    """Mixtral and Qwen2-MoE: decoder layers as units, and the 3-D experts as their own units.
-    Returns the experts each rank routed tokens to, per step and layer (router hooks)."""
+def hf_moe(rank: int, world: int, cases: tuple[tuple[str, str], ...]) -> dict[str, object]:
+    """Mixtral and Qwen2-MoE: decoder layers as units ("layers"), and the 3-D experts as their
+    own units ("experts"). Returns the experts each rank routed tokens to, per step and layer
+    (router hooks)."""
     out: dict[str, object] = {}
-    for kind, units in (("mixtral", "layers"), ("mixtral", "experts"), ("qwen2_moe", "layers"),
-                        ("qwen2_moe", "experts")):
+    for kind, units in cases:
         if True:
             seen: list[tuple[int, list[int]]] = []
             mine: set[int] = set()
