@@ -165,10 +165,10 @@ class Schedule(Generic[U]):
                 and self.order[pos] is unit and pos + 1 < len(self.order)):
             # (An order that changed this step: no guessing.)
             self._prefetch(self.order[pos + 1])
-        return self._point("post", unit)
+        return self._point("post", unit, self.grad)
 
-    def _point(self, kind: str, unit: U) -> tuple[int, int] | None:
-        if not self.grad:
+    def _point(self, kind: str, unit: U, grad: bool) -> tuple[int, int] | None:
+        if not grad:
             return None
         self.points.append((kind, unit))
         return (self.generation, len(self.points) - 1)
@@ -184,7 +184,7 @@ class Schedule(Generic[U]):
         if unit.reshard_after_forward and not unit.is_root:
             unit.reshard()
         unit.training_state = TrainingState.IDLE
-        return self._point("pre", unit) if hooked else None
+        return self._point("pre", unit, hooked)
 
     # --- groups ([Note: lockstep]) ------------------------------------------------------
 
@@ -216,7 +216,7 @@ class Schedule(Generic[U]):
     def _visit(self, unit: U) -> None:
         """What a member this rank skipped does on the others: gather, reshard, record."""
         self._pre_forward(unit)
-        self._post_forward(unit, hooked=True)
+        self._post_forward(unit, hooked=self.grad)
 
     def end_forward(self, backward_follows: bool) -> None:
         """The root's forward is over. Without a backward to come nothing stays gathered."""
@@ -286,6 +286,7 @@ class Schedule(Generic[U]):
                 u.reshard()
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
+        self.reduced = set()  # a second backward of the same graph starts afresh
 
     def _reach(self, token: tuple[int, int] | None, kind: str, unit: U) -> None:
         """Backward reached a recorded point: first run the later points it skipped."""
