@@ -134,14 +134,20 @@ def _shard_hand(m: nn.Module, units: str) -> None:
 def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...]
              ) -> dict[str, dict[str, float]]:
     """Per-layer units ("layers"), per-expert units with and without layer units ("experts",
-    "experts+layers") and 3-D experts ("stacked", "stacked-grad-op")."""
+    "experts+layers", "experts-grad-op") and 3-D experts ("stacked", "stacked-grad-op")."""
     sw.set_debug(debug)
     out = {}
     for units in cases:
         stacked = units.startswith("stacked")
 
         def shard(m: nn.Module, units: str = units) -> None:
-            if units == "stacked-grad-op":
+            if units == "experts-grad-op":  # experts kept gathered from forward to backward
+                for layer in m.layers:
+                    for ex in layer.moe.experts:
+                        sw.fully_shard(ex, reshard_after_forward=False)
+                    sw.fully_shard(layer)
+                sw.fully_shard(m)
+            elif units == "stacked-grad-op":
                 for layer in m.layers:
                     sw.fully_shard(layer.moe.experts, reshard_after_forward=False)
                     sw.fully_shard(layer, reshard_after_forward=False)

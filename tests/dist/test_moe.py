@@ -8,7 +8,7 @@ from shardwise.testing import run_distributed
 from tests.dist import moe_workers as M
 
 HAND = {2: (False, ("layers", "experts", "stacked")),
-        3: (True, ("layers", "experts+layers", "stacked-grad-op"))}
+        3: (True, ("layers", "experts+layers", "experts-grad-op", "stacked-grad-op"))}
 HF_ALL = (("mixtral", "layers"), ("mixtral", "experts"), ("qwen2_moe", "layers"),
           ("qwen2_moe", "experts"))
 HF = {2: HF_ALL, 3: (("mixtral", "layers"), ("qwen2_moe", "layers"))}
