@@ -1,6 +1,7 @@
 # `make run`: set up .venv on first use, then the main job (a sharded training run on CPU).
 # `make test`: set up .venv on first use, then lint and the whole test suite.
 PY ?= python3
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -10,8 +11,15 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch, pinned: a bare `torch` requirement may pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch 2.13.0, asked for as the CPU build (`+cpu`) first: a bare `torch==2.13.0` on a plain
+	# public index for Linux is the multi-GB CUDA build. Where no index or find-links serves a
+	# `+cpu` wheel, say so and take what the index serves. TORCH_INDEX=URL adds an index
+	# (e.g. PyTorch's CPU wheel index) for a machine that can reach one.
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) 'torch==2.13.0+cpu' \
+	  || { echo "make: no CPU build of torch 2.13.0 on the configured indexes;" \
+	       "installing torch==2.13.0 as served (on a plain public Linux index: the CUDA build)"; \
+	       $(BIN)/pip install -q torch==2.13.0; }
+	$(BIN)/python -c "import torch; print('make: installed torch', torch.__version__)"
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 

@@ -3,11 +3,13 @@
     python benchmarks/exit_stress.py --runs 200 --nproc 2
     python benchmarks/exit_stress.py --runs 100 --nproc 3
     python benchmarks/exit_stress.py --runs 40 --nproc 2 --src /path/to/old/checkout/src
+    python benchmarks/exit_stress.py --runs 100 --nproc 4 --tp 2      # dp 2 x tp 2
 
 Each launch is `torchrun --standalone --nproc-per-node N benchmarks/exit_user_script.py`:
 shard, 3 steps, one save_checkpoint, one full_state_dict, then the script simply ends
 (see [Note: gloo teardown] in shardwise/engine/process_group.py). Every non-zero exit is
-counted and its signal named (-6 / SIGABRT is the gloo exit race). `--src` puts another
+counted and its signal named (-6 / SIGABRT is the gloo exit race). `--tp N` trains the
+trainer's GPT with its tensor-parallel plan on a (nproc/N, N) mesh instead. `--src` puts another
 checkout's sources first on the path, to measure the rate before a fix side by side.
 `--jobs` runs launches concurrently (more load per core makes the race more likely).
 """
@@ -29,9 +31,10 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "exit_user_script.py"
 
 
-def launch(nproc: int, src: str | None, timeout_s: float) -> tuple[int, str]:
+def launch(nproc: int, src: str | None, timeout_s: float, tp: int = 1) -> tuple[int, str]:
     """(torchrun's exit status, the reason a worker failed, if any)."""
     env = dict(os.environ)
+    env["SW_EXIT_TP"] = str(tp)
     if src:
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="sw-exit-") as tmp:
@@ -57,12 +60,14 @@ def main() -> int:
     ap.add_argument("--src", default=None, help="another checkout's src/ to test instead")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write the counts to this file")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (1: FSDP alone)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     failures: list[str] = []
     done = 0
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futs = [pool.submit(launch, args.nproc, args.src, args.timeout) for _ in range(args.runs)]
+        futs = [pool.submit(launch, args.nproc, args.src, args.timeout, args.tp)
+                for _ in range(args.runs)]
         for f in cf.as_completed(futs):
             rc, why = f.result()
             done += 1
@@ -72,10 +77,11 @@ def main() -> int:
             if done % 10 == 0:
                 print(f"{done}/{args.runs} launches, {len(failures)} non-zero "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    result = {"runs": args.runs, "nproc": args.nproc, "jobs": args.jobs,
+    result = {"runs": args.runs, "nproc": args.nproc, "tp": args.tp, "jobs": args.jobs,
               "src": args.src or "this checkout", "nonzero": len(failures),
               "reasons": failures, "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"{args.runs} launches at {args.nproc} ranks: {len(failures)} non-zero exits")
+    print(f"{args.runs} launches at {args.nproc} ranks (tp {args.tp}): {len(failures)} "
+          "non-zero exits")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 1 if failures else 0

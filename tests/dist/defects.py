@@ -152,13 +152,20 @@ def no_sync_accumulates_in_reduce_dtype(rank: int, world: int) -> float:
         acc(x).float().pow(2).mean().backward()
         each(x).float().pow(2).mean().backward()  # reduced every time, summed in fp32
     worst = 0.0
+    compared = 0
     for (n, p), q in zip(acc.named_parameters(), each.parameters()):
-        if p.grad is None:
+        # A gradient lost under no_sync must fail here, not be skipped as "no gradient".
+        assert (p.grad is None) == (q.grad is None), \
+            f"{n}: accumulated grad is {p.grad is None and 'None' or 'set'}, reference's is " \
+            f"{q.grad is None and 'None' or 'set'}"
+        if q.grad is None:
             continue
+        compared += 1
         d = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-12)
         worst = max(worst, d)
         # bf16 accumulation is off by ~1e-3 relative; fp32 accumulation by rounding only.
         assert d < 2e-5, f"{n}: accumulated gradient off by {d:.2e} (relative)"
+    assert compared == len(list(each.parameters())), f"compared {compared} gradients"
     return worst
 
 

@@ -74,6 +74,63 @@ def mixed_precision(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+def bf16_matches_emulated_reference(rank: int, world: int) -> dict[str, float]:
+    """bf16 compute with fp32 reduction against a reference that emulates it exactly.
+
+    The reference (tests/dist/fsdp2/mp_training_workers.Reference) runs each rank's slice on
+    a bf16 copy, sums the ranks' fp32-cast gradients and divides, and steps fp32 masters. So
+    gradients, the global norm and parameters are compared at fp32 tolerances: a wrong cast,
+    a reduction in bf16 or a lost gradient shows here, where a comparison with an fp32 run
+    would need a tolerance as large as what the optimizer moves.
+    """
+    from tests.dist.fsdp2.mp_training_workers import Reference
+
+    model = make_model("lm", 0)
+    ref = Reference(model, torch.bfloat16, torch.float32, world)
+    sw.shard_model(model, auto_wrap_policy="transformer", mixed_precision="bf16")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def loss_of(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return loss_fn("lm", m(b[0]).float(), b[1])
+
+    worst = {"grad": 0.0, "norm": 0.0, "param": 0.0}
+    for step in range(4):
+        x, y = make_batch("lm", 700 + step, PER_RANK * world)
+        batches = [(x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
+                   for r in range(world)]
+        loss_of(model, batches[rank]).backward()
+        ref.step(batches, loss_of)
+        got = grads_of(model)  # fqn -> (full gradient, whether this rank's shard had none)
+        has_grad = {n: p.grad is not None for n, p in model.named_parameters()}
+        for n, p in ref.master.named_parameters():
+            assert has_grad[n] == (p.grad is not None), f"{n}: gradient presence differs"
+            if p.grad is None:
+                continue
+            d = (got[n][0] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-12)
+            worst["grad"] = max(worst["grad"], d)
+        norm = sw.clip_grad_norm_(model, 1e9).item()
+        want = torch.nn.utils.clip_grad_norm_(ref.master.parameters(), 1e9).item()
+        worst["norm"] = max(worst["norm"], abs(norm - want) / want)
+        opt.step()
+        opt.zero_grad()
+        ref.optimizer_step(set_to_none=True)
+    full = sw.full_state_dict(model)
+    worst["param"] = max((full[n] - p.detach()).abs().max().item()
+                         for n, p in ref.master.named_parameters())
+    return worst
+
+
+def precision_plans(rank: int, world: int) -> dict[str, str]:
+    """sw.precision_plan under FULL_SHARD and NO_SHARD with fp16 compute."""
+    out = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        model, _ = _pair()
+        sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer",
+                       mixed_precision="fp16")
+        out[strategy] = sw.precision_plan(model)
+    return out
+
+
 def traffic_bytes(rank: int, world: int, preset: str | None) -> int:
     model, _ = _pair()
     sw.shard_model(model, auto_wrap_policy="transformer", mixed_precision=preset)

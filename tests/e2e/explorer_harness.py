@@ -26,11 +26,28 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
                  "--no-first-run", "--disable-sync"]
 ROOT = Path(__file__).resolve().parents[2]
 
-needs_chromium = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) "
-           "to run the explorer's browser tests",
-)
+_MISSING = (f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) "
+            "to run the explorer's browser tests")
+
+
+def skip_reason(browser: Path, env: dict[str, str]) -> str | None:
+    """Why a browser test is skipped, or None when it runs (and fails without a browser).
+
+    In CI (CI=true, as CI's runner sets it) a missing browser is a failure, not a skip: a
+    skipped browser suite would leave CI green with the explorer untested.
+    """
+    in_ci = env.get("CI", "").lower() in ("1", "true", "yes")
+    return None if browser.exists() or in_ci else _MISSING
+
+
+needs_chromium = pytest.mark.skipif(skip_reason(CHROMIUM, dict(os.environ)) is not None,
+                                    reason=_MISSING)
+
+
+def require_chromium() -> None:
+    """Fail (in CI) rather than run a browser test without a browser."""
+    if not CHROMIUM.exists():
+        pytest.fail(_MISSING)
 
 
 @contextmanager
@@ -75,6 +92,7 @@ def browser_page(url: str, outside: list[str]) -> Iterator[object]:
     (and is aborted, so the test never depends on the network)."""
     from playwright.sync_api import sync_playwright
 
+    require_chromium()
     home = origin(url)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)

@@ -123,6 +123,8 @@ def test_resume_at_another_world_size(run: tuple[Path, str]) -> None:
     out = ok(shardwise_train("--name", "resumed1", "--resume", "--nproc", "1",
                              cwd=run_dir.parent.parent))
     assert "on 1 ranks" in out and "resumed at step 4" in out
+    # Said once: the global batch halved with the data-parallel size.
+    assert out.count("tokens per step change from 512 to 256") == 1, out
     got, ref = losses(dst), losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     # Other batches (1 rank reads a smaller global batch), the same trained weights.

@@ -78,7 +78,8 @@ TRAIN_CASES = [
         "parallel.tp=2 composes with shard.sharding_strategy FULL_SHARD or SHARD_GRAD_OP",
         knob="shardwise train --parallel.tp (strategy)"),
     cli("train --nproc 3 --parallel.tp 2", "3 ranks", "parallel.tp=2 must divide the world "
-        "size 3", knob="shardwise train --parallel.tp (world size)"),
+        "size 3 (ranks are dp x tp); allowed here: [1]",
+        knob="shardwise train --parallel.tp (world size)"),
     train("checkpoint.interval", "-1", "checkpoint.interval=-1 must be >= 0"),
     train("checkpoint.keep", "0", "checkpoint.keep=0 must be > 0"),
     train("log.event_steps", "-2", "log.event_steps=-2 must be >= -1"),

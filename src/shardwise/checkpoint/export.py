@@ -1,4 +1,7 @@
-"""Consolidated safetensors, the Hugging Face layout, from a live model or a checkpoint.
+"""Consolidated safetensors from a live model or a checkpoint.
+
+The files follow Hugging Face's naming (model.safetensors, or shards plus
+model.safetensors.index.json), but hold weights only: no config.json or tokenizer.
 
 Output directory, as `save_pretrained` writes it:
 

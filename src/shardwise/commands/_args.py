@@ -18,10 +18,18 @@ class Parser(argparse.ArgumentParser):
         fail(self.prog, message)
 
 
-def report(prog: str, message: object) -> int:
-    """Print `prog: error: message` (one line); return the exit status, 2."""
+def report(prog: str, message: object, hint: bool | None = None) -> int:
+    """Print `prog: error: message` (one line); return the exit status, 2.
+
+    The pointer to `--help` is added for mistakes in what was typed (a message string from
+    the parser, a ValueError); a damaged checkpoint or a failed collective is not something
+    --help explains. `hint` overrides that choice.
+    """
     text = " ".join(str(message).split())
-    print(f"{prog}: error: {text} (see `{prog} --help`)", file=sys.stderr)
+    if hint is None:
+        hint = isinstance(message, (str, ValueError))
+    print(f"{prog}: error: {text}" + (f" (see `{prog} --help`)" if hint else ""),
+          file=sys.stderr)
     return 2
 
 

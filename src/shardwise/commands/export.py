@@ -60,6 +60,12 @@ def resolve_checkpoint(path: str) -> tuple[str, str]:
     found = rundir.checkpoints(Path(run))
     if os.path.basename(p) in (os.path.basename(run), rundir.CKPT_DIR) and found:
         return str(found[-1][1]), "the run's latest checkpoint"
+    if os.path.isfile(os.path.join(p, "config.toml")) and not found:
+        # A run folder whose training saved nothing yet: say that, not "manifest.json is
+        # missing" about the run folder itself.
+        raise ValueError(f"{path} is a run folder with no checkpoint yet: training saves one "
+                         "every checkpoint.interval steps and at the end; export after one "
+                         "exists, or give a checkpoint folder")
     return path, ""
 
 
@@ -111,7 +117,10 @@ def main(argv: list[str]) -> int:
         replaced = check_out(args.out, args.force)
     except ValueError as e:
         ap.error(str(e))
-    ckpt, chosen = resolve_checkpoint(args.checkpoint)
+    try:
+        ckpt, chosen = resolve_checkpoint(args.checkpoint)
+    except ValueError as e:
+        return report("shardwise export", e)
 
     from shardwise.checkpoint.export import export_checkpoint
     from shardwise.checkpoint.manifest import CheckpointError

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,14 @@ def load_config(argv: list[str]) -> C.Config:
     return cfg
 
 
+def offload_note(cfg: C.Config, cuda: bool) -> str | None:
+    """shard.cpu_offload on a machine without a GPU: everything is in host memory already."""
+    if cfg.shard.cpu_offload and not cuda:
+        return ("shard.cpu_offload=true has no effect without a GPU: parameters, gradients "
+                "and optimizer state are in host memory already")
+    return None
+
+
 def schedule_note(cfg: C.Config) -> str | None:
     """On --resume with another train.steps: what happens to the learning-rate schedule."""
     if not cfg.resume:
@@ -76,9 +87,11 @@ def precheck(cfg: C.Config, nproc: int) -> None:
     from ..train.tensor_parallel import check_world
 
     d, t = cfg.data, cfg.train
-    check_world(cfg.parallel.tp, nproc)
+    gpt = cfg.model.gpt()
+    check_world(cfg.parallel.tp, nproc,
+                {"n_head": gpt.n_head, "d_model": gpt.d_model, "ffn_dim": gpt.ffn_dim})
     D.check_size(d.path or None, d.max_bytes, d.seed, d.val_fraction,
-                 cfg.model.gpt().block_size, t.batch_size, nproc // cfg.parallel.tp)
+                 gpt.block_size, t.batch_size, nproc // cfg.parallel.tp)
 
 
 def worker(cfg: C.Config) -> dict[str, Any]:
@@ -114,17 +127,37 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def stopped_line(cfg: C.Config, run: Path) -> str:
+def _program() -> str:
+    """How the user can run this command again: under `make run` (which takes no options)
+    that is the virtual environment's own `shardwise`, not `make run`."""
+    exe = sys.argv[0] if sys.argv else ""
+    if os.path.basename(exe) == "shardwise" and (os.environ.get("MAKELEVEL")
+                                                 or not shutil.which("shardwise")):
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else exe
+    return "shardwise"
+
+
+def stopped_line(cfg: C.Config, run: Path, argv: list[str] | tuple[str, ...] = ()) -> str:
     """Where an interrupted run stands, and the command that continues it."""
     step, found = rundir.last_step(run), rundir.checkpoints(run)
     if step == 0 and not found:
         return "interrupted before the first step; nothing was saved"
     head = f"interrupted after step {step} of {cfg.train.steps}"
+    prog = _program()
     if found:
+        # The saved config.toml may still hold the old train.steps (a resume interrupted
+        # before its first step): then --resume alone would leave nothing to do.
+        saved = run / "config.toml"
+        old = O.read_toml(saved).get("train.steps") if saved.exists() else None
+        steps = f" --train.steps {cfg.train.steps}" if old is not None and \
+            int(old) != cfg.train.steps else ""
         return (f"{head}; latest checkpoint {found[-1][1].name}; continue with "
-                f"`shardwise train --name {cfg.name} --resume`")
+                f"`{prog} train --name {cfg.name} --resume{steps}`")
+    again = shlex.join([prog, "train", *[a for a in argv if a != "--overwrite"],
+                        "--overwrite"])
     return (f"{head}, before the first checkpoint (checkpoint.interval="
-            f"{cfg.checkpoint.interval}); run the same command with --overwrite to start again")
+            f"{cfg.checkpoint.interval}); start again with `{again}`")
 
 
 def main(argv: list[str]) -> int:
@@ -139,15 +172,19 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         nproc = cfg.nproc or default_nproc()
         precheck(cfg, nproc)
-        note = schedule_note(cfg)
+        import torch
+
+        notes = [(kind, n) for kind, n in (("warning", schedule_note(cfg)),
+                                           ("note", offload_note(cfg, torch.cuda.is_available())))
+                 if n]
     except ValueError as e:
         return report(PROG, e)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted before the workers started", file=sys.stderr)
         return 130
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if note:
-        print(f"{PROG}: warning: {note}", file=sys.stderr)
+    for kind, note in notes:
+        print(f"{PROG}: {kind}: {note}", file=sys.stderr)
     run = Path(cfg.out_dir).expanduser() / cfg.name
     # A folder this invocation creates may be removed again if nothing was trained in it.
     fresh = not cfg.resume and (cfg.overwrite or not run.exists() or not any(run.iterdir()))
@@ -159,7 +196,7 @@ def main(argv: list[str]) -> int:
     except Interrupted as e:
         if fresh:
             rundir.discard_unstarted(run)
-        print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+        print(f"{PROG}: {stopped_line(cfg, run, argv)}", file=sys.stderr)
         return e.exit_code
     except WorkerFailure as e:
         if fresh:
@@ -168,7 +205,8 @@ def main(argv: list[str]) -> int:
             print(f"{PROG}: rank {e.rank} crashed:\n{e.traceback.rstrip()}", file=sys.stderr)
             print(f"{PROG}: error: rank {e.rank}: {e.message}", file=sys.stderr)
             return e.exit_code
-        return report(PROG, e.message)
+        # A worker's own error (a damaged checkpoint, a failed collective): --help is no help.
+        return report(PROG, e.message, hint=False)
     return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 
@@ -212,7 +250,7 @@ def _under_torchrun(argv: list[str]) -> int:
     except KeyboardInterrupt:
         if rank == 0:
             run = Path(cfg.out_dir).expanduser() / cfg.name
-            print(f"{PROG}: {stopped_line(cfg, run)}", file=sys.stderr)
+            print(f"{PROG}: {stopped_line(cfg, run, argv)}", file=sys.stderr)
         return 130
     collectives.finish()
     return int(result.get("exit_code", 0))

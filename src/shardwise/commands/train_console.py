@@ -69,7 +69,11 @@ class ConsoleReporter:
         print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
               f"{info['tokens_per_step']:,} tokens per step")
         if info["start_step"]:
-            print(f"  resumed at step {info['start_step']}")
+            saved, now = info.get("saved_tokens_per_step"), info["tokens_per_step"]
+            change = (f"; tokens per step change from {saved:,} to {now:,} (another "
+                      "data-parallel size: each step reads a different global batch, and the "
+                      "schedule still counts steps)") if saved and saved != now else ""
+            print(f"  resumed at step {info['start_step']}{change}")
         if info.get("restart"):
             print(f"  restart {info['restart']} of the workers (after a failure), from the "
                   "latest checkpoint")
@@ -122,8 +126,12 @@ class ConsoleReporter:
         else:
             print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
         kind = "GPU allocated" if s["device"] == "cuda" else "RSS"
-        print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}); "
+        print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}, training); "
               f"unsharded about {_mem(unsharded)}")
+        sampled = s.get("sample_peak_memory_mb") or []
+        if any(after > 1.05 * before for after, before in zip(sampled, s["peak_memory_mb"])):
+            print(f"  sampling peak    {_mem(sampled)} per rank (generating the sample after "
+                  "training)")
         print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
               f"unsharded {s['unsharded_state_mb']:.1f} MiB")
         parts = ", ".join(f"{k.replace('_', '-')} {_bytes(v)}"

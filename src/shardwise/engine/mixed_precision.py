@@ -33,8 +33,13 @@ def precision_plan(model: nn.Module) -> str:
     reduce = _names(rd for u in units for rd in u.reduce_dtype_for.values())
     master = _names(p.orig_dtype for p in sps)
     out = {dtype_name(u.mp.output_dtype) for u in units if u.is_root and u.mp and u.mp.output_dtype}
-    return (f"precision plan: storage {master} shards | compute {compute} | all-gather "
-            f"{compute} | reduce {reduce} | optimizer master weights {master}"
+    # NO_SHARD (shard groups of one rank) gathers nothing: parameters are whole on every
+    # rank and gradients are all-reduced. Listing an all-gather dtype there would be false.
+    gathers = any(u.mesh.shard_size > 1 for u in units)
+    gather = (f"all-gather {compute}" if gathers
+              else "no all-gather (whole parameters on every rank)")
+    return (f"precision plan: storage {master} shards | compute {compute} | {gather} | "
+            f"reduce {reduce} | optimizer master weights {master}"
             + (f" | outputs {'/'.join(sorted(out))}" if out else ""))
 
 

@@ -29,9 +29,16 @@ destroy_process_group, the process waits, with the GIL released, until every ali
 No worker thread then holds anything that needs the GIL, whenever finalization starts.
 Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
 
-The barrier is skipped when this process is ending with an uncaught exception or has seen
-a collective fail: a peer may be dead, and the drain must not hang on it. The wait for gloo's
-drops is bounded, so a collective stuck on a dead peer cannot hold the exit either.
+The barrier is skipped when this process is ending with a non-zero status: an uncaught
+exception, a collective that failed here, or `sys.exit(code)` with a non-zero code (the CLI's
+handled errors end that way). A peer may then be dead, or still inside a collective this
+rank will never join; a barrier would pair with that collective and both would wait out the
+collective timeout. Skipping it, this rank tears down at once, its connections close, and
+the peer's pending collective fails within moments ("Connection closed by peer"): the whole
+exit then takes seconds, not the timeout (measured in tests/e2e/test_exit.py). On a clean
+end the barrier waits, bounded by the collective timeout, for peers that are still working;
+a failed barrier is a warning, never a changed exit status. The wait for gloo's drops is
+bounded too, so a collective stuck on a dead peer cannot hold the exit either.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ _PRUNE_AT = 256
 _exit_registered = False
 # Set when a collective failed in this process: at exit, do not wait for peers.
 _failed = False
+# The status this process is ending with, when it ends through sys.exit (None: not known).
+_exit_status: int | None = None
 
 
 def is_initialized() -> bool:
@@ -90,6 +99,32 @@ def communicating() -> None:
     if not _exit_registered:
         _exit_registered = True
         atexit.register(_at_exit)
+        _watch_sys_exit()
+
+
+def ending_with(status: int) -> None:
+    """Record the status this process is about to exit with (the exit drain reads it)."""
+    global _exit_status
+    _exit_status = status
+
+
+def _watch_sys_exit() -> None:
+    """Let the exit drain see `sys.exit(code)`.
+
+    CPython keeps no record of a SystemExit's code for exit handlers to read (unlike an
+    uncaught exception's `sys.last_exc`), and a rank ending with `sys.exit(1)` must not wait
+    at a barrier ([Note: gloo teardown]). So sys.exit notes the code, then exits as before.
+    """
+    real = sys.exit
+    if getattr(real, "_shardwise_watch", False):
+        return
+
+    def exit(status: object = None) -> None:  # noqa: A001 - stands in for sys.exit
+        ending_with(0 if status is None else status if isinstance(status, int) else 1)
+        real(status)
+
+    exit._shardwise_watch = True  # type: ignore[attr-defined]
+    sys.exit = exit
 
 
 def mark_failed() -> None:
@@ -139,9 +174,20 @@ def finish() -> None:
     it ([Note: gloo teardown]).
     """
     if is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        try:
+            _bounded_barrier(timeout_s or _DEFAULT_TIMEOUT_S)
+        finally:
+            dist.destroy_process_group()
     wait_for_gloo_drops(_DRAIN_LIMIT_S)
+
+
+_DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
+
+
+def _bounded_barrier(limit_s: float) -> None:
+    """A barrier with the peers that gives up after `limit_s` (it raises then)."""
+    work = dist.barrier(async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=limit_s))
 
 
 # How long the exit path waits for gloo's worker threads to drop what they were handed:
@@ -167,9 +213,9 @@ def wait_for_gloo_drops(limit_s: float) -> bool:
 
 def _ending_with_error() -> bool:
     # CPython stores an uncaught exception (KeyboardInterrupt included) here before it runs
-    # the exit handlers.
+    # the exit handlers; sys.exit's code is recorded by _watch_sys_exit.
     return _failed or getattr(sys, "last_value", None) is not None \
-        or getattr(sys, "last_exc", None) is not None
+        or getattr(sys, "last_exc", None) is not None or _exit_status not in (None, 0)
 
 
 def _at_exit() -> None:
@@ -183,7 +229,9 @@ def _at_exit() -> None:
         else:
             finish()
     except Exception as e:  # noqa: BLE001 - an exit handler must not turn success into failure
-        log.debug("exit drain: %s", e)
+        # Seen, not swallowed: a barrier that failed means a peer ended badly or not at all.
+        log.warning("shardwise exit: the barrier with the peers failed (a peer probably ended "
+                    "with an error): %s", " ".join(str(e).split())[:300])
         wait_for_gloo_drops(_FAILED_DRAIN_S)
 
 

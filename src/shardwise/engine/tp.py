@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from . import collectives as C
 from .dtensor import contiguous_stride
 
 
@@ -200,12 +201,38 @@ class TPParam:
         """The plain TP-local gradient of the compute face, in the TP placement."""
         if not isinstance(grad, DTensor):
             return grad
-        if self.tp_spec is not None and tuple(grad.placements) != tuple(self.tp_spec.placements):
-            # A replicated parameter used on sharded activations gets a Partial gradient.
-            grad = grad.redistribute(placements=self.tp_spec.placements)
         local = grad._local_tensor
         wait = getattr(local, "wait", None)  # an AsyncCollectiveTensor: the data, now
-        return wait() if callable(wait) else local
+        local = wait() if callable(wait) else local
+        if self.tp_spec is not None and tuple(grad.placements) != tuple(self.tp_spec.placements):
+            # A replicated parameter used on sharded activations gets a Partial gradient.
+            local = self._redistribute(local, grad.placements[0], self.tp_spec.placements[0])
+        return local
+
+    def _redistribute(self, local: torch.Tensor, src: Placement, dst: Placement
+                      ) -> torch.Tensor:
+        """A 1-D TP redistribution through the communication layer (not DTensor's own
+        collectives, which the exit drain, debug fingerprints and named errors cannot see):
+        to Replicate first (all-reduce a Partial, join a Shard), then this rank's piece."""
+        group = self.ctx.tp_mesh.get_group()
+        if isinstance(src, Partial):
+            if src.reduce_op != "sum":
+                raise ValueError(f"a TP gradient with placement {src} is not supported: "
+                                 "Partial(sum) is")
+            local = local.contiguous().clone()
+            C.all_reduce(local, group, label="tp grad (partial -> replicate)")
+        elif isinstance(src, Shard):
+            d = src.dim % local.dim()
+            local = C.all_gather_dim(local, d, self.global_shape[d], group,
+                                     label="tp grad (shard -> replicate)")
+        elif not isinstance(src, Replicate):
+            raise ValueError(f"a TP gradient with placement {src} is not supported")
+        if isinstance(dst, Shard):
+            d = dst.dim % local.dim()
+            shape, offs = compute_local_shape_and_global_offset(
+                self.global_shape, self.ctx.tp_mesh, (dst,))
+            return local.narrow(d, offs[d], shape[d]).contiguous()
+        return local
 
     # --- full tensors (state dicts, export, checkpoints) -------------------------------
 
@@ -221,7 +248,8 @@ class TPParam:
         """The global tensor from the gathered TP-local one (a collective over tp)."""
         if self.tp_spec is None or self.shard_dim is None or self.ctx.tp_size == 1:
             return local_full
-        return self.compute_face(local_full).full_tensor()
+        return C.all_gather_dim(local_full, self.shard_dim, self.global_shape[self.shard_dim],
+                                self.ctx.tp_mesh.get_group(), label="tp full_tensor")
 
     def checkpoint_rows(self, row_start: int, row_end: int) -> tuple[int, int]:
         """The rows [start, end) of the global tensor whose pieces this rank stores.
@@ -242,14 +270,9 @@ class TPParam:
         """This rank's stored rows, full width (joined across tp for a rowwise weight)."""
         if self.shard_dim is None or self.shard_dim == 0 or self.ctx.tp_size == 1:
             return rows
-        shape = list(self.global_shape)
-        shape[0] = rows.shape[0]
-        spec = self.tp_spec
-        assert spec is not None
-        d = DTensor.from_local(rows.contiguous(), self.ctx.tp_mesh, spec.placements,
-                               run_check=False, shape=torch.Size(shape),
-                               stride=contiguous_stride(tuple(shape)))
-        return d.full_tensor()
+        d = self.shard_dim
+        return C.all_gather_dim(rows, d, self.global_shape[d], self.ctx.tp_mesh.get_group(),
+                                label="tp checkpoint rows")
 
     def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Inverse of `checkpoint_local`: this rank's columns of full-width stored rows."""

@@ -27,11 +27,16 @@ def _set_rng_state(s: str) -> None:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-         stream: D.BatchStream, scaler: sw.ShardedGradScaler, keep: int, rank: int) -> Path:
-    """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones."""
+         stream: D.BatchStream, scaler: sw.ShardedGradScaler, keep: int, rank: int,
+         tokens_per_step: int = 0) -> Path:
+    """A sharded checkpoint with the data position and RNG state in `extra`; prune old ones.
+
+    `tokens_per_step` is recorded so that a resume at another data-parallel size can say how
+    the batch changed.
+    """
     path = rundir.checkpoint_path(run_dir, step)
     extra = {"step": step, "data": stream.state_dict(), "rng": _rng_state(),
-             "scaler": scaler.state_dict()}
+             "scaler": scaler.state_dict(), "tokens_per_step": tokens_per_step}
     sw.save_checkpoint(str(path), model, opt, step=step, extra=extra)
     Cm.barrier(label="checkpoint saved")
     if rank == 0:
@@ -53,3 +58,16 @@ def resume(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
     if scaler.enabled and "scaler" in extra:
         scaler.load_state_dict(extra["scaler"])
     return int(extra["step"])
+
+
+def saved_tokens_per_step(run_dir: Path) -> int | None:
+    """Tokens per step of the run that wrote the latest checkpoint (None: not recorded)."""
+    from ..checkpoint.manifest import read_manifest
+
+    found = rundir.checkpoints(run_dir)
+    if not found:
+        return None
+    extra = read_manifest(str(found[-1][1])).extra
+    value = extra.get("tokens_per_step") if isinstance(extra, dict) else None
+    return int(value) if value else None
+

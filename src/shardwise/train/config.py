@@ -55,7 +55,8 @@ def _positive(section: str, obj: Any, *names: str, zero_ok: bool = False) -> Non
     for name in names:
         v = getattr(obj, name)
         ok = v >= 0 if zero_ok else v > 0
-        _check(ok, f"{section}.{name}={v!r} must be {'>= 0' if zero_ok else '> 0'}")
+        key = f"{section}.{name}" if section else name  # top-level keys have no section
+        _check(ok, f"{key}={v!r} must be {'>= 0' if zero_ok else '> 0'}")
 
 
 @dataclass

@@ -20,10 +20,15 @@ with their local tensors (`local`), whose gradients autograd hands back to the D
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..engine import collectives as C
 
 
 def local(w: torch.Tensor) -> torch.Tensor:
@@ -31,21 +36,50 @@ def local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+class _ReduceGrad(torch.autograd.Function):
+    """Megatron's f: identity forward; the input's gradient is all-reduced across tp."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Each rank's gradient is a partial sum (its heads / hidden units only).
+        grad = grad.contiguous().clone()
+        C.all_reduce(grad, ctx.group, label="tp f (input grad)")
+        return grad, None
+
+
+class _ReduceOut(torch.autograd.Function):
+    """Megatron's g: the partial sums of a rowwise matmul all-reduced across tp."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        C.all_reduce(out, group, label="tp g (output)")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+# Through the communication layer, not DTensor's redistribute: its collectives would bypass
+# the exit drain's handoff, the debug fingerprints and the named errors (engine/collectives).
 def tp_enter(x: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Megatron's f: identity forward; the input's gradient is all-reduced across tp."""
     if mesh is None:
         return x
-    d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    # Each rank's gradient is a partial sum (its heads / hidden units only).
-    return d.to_local(grad_placements=[Partial()])
+    return _ReduceGrad.apply(x, mesh.get_group())
 
 
 def tp_exit(x: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Megatron's g: the partial sums of a rowwise matmul all-reduced across tp."""
     if mesh is None:
         return x
-    d = DTensor.from_local(x, mesh, [Partial()], run_check=False)
-    return d.redistribute(placements=[Replicate()]).to_local()
+    return _ReduceOut.apply(x, mesh.get_group())
 
 
 def check_tp(tp: int, n_head: int, d_model: int, ffn_dim: int) -> None:
@@ -57,17 +91,33 @@ def check_tp(tp: int, n_head: int, d_model: int, ffn_dim: int) -> None:
                              f"{[k for k in range(1, 9) if n % k == 0]}")
 
 
-def check_world(tp: int, world: int) -> None:
+def check_world(tp: int, world: int, dims: dict[str, int] | None = None) -> None:
+    """ValueError unless `tp` divides the world size (and, given the model's `dims`, those).
+
+    The allowed values listed are the ones that pass every check, so the suggestion is never
+    refused by the next one (3 ranks of a 4-head model: only 1).
+    """
+    dims = dims or {}
+    allowed = [k for k in range(1, world + 1)
+               if world % k == 0 and all(n % k == 0 for n in dims.values())]
     if tp < 1 or world % tp:
-        allowed = [k for k in range(1, world + 1) if world % k == 0]
         raise ValueError(f"parallel.tp={tp} must divide the world size {world} (ranks are "
                          f"dp x tp); allowed here: {allowed}")
+    for name, n in dims.items():
+        if n % tp:
+            raise ValueError(f"parallel.tp={tp} must divide model.{name}={n} (each TP rank "
+                             f"holds {name} / tp); allowed here: {allowed}")
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int) -> None:
     p = module._parameters[name]
     assert p is not None
-    d = distribute_tensor(p.detach(), mesh, [Shard(dim)])
+    # Every rank built the same weights (same seed), so each cuts its own piece locally:
+    # distribute_tensor would scatter from rank 0 through DTensor's own collectives.
+    shape, offs = compute_local_shape_and_global_offset(p.shape, mesh, [Shard(dim)])
+    local = p.detach().narrow(dim, offs[dim], shape[dim]).contiguous()
+    d = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=p.shape,
+                           stride=p.stride())
     module._parameters[name] = nn.Parameter(d, requires_grad=p.requires_grad)
 
 
