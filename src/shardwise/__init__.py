@@ -13,6 +13,7 @@ from .engine.fully_shard import ShardedModule, fully_shard, shard_model
 from .engine.grad_norm import clip_grad_norm_
 from .engine.materialize import materialize
 from .engine.mixed_precision import ShardedGradScaler, precision_plan
+from .engine.module_api import UnshardHandle
 from .engine.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -20,6 +21,7 @@ from .engine.policies import (
     size_policy,
     transformer_policy,
 )
+from .engine.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace
 from .planner import Plan, plan
@@ -37,7 +39,9 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedModule",
     "ShardingStrategy",
+    "ShardwiseState",
     "Trace",
+    "UnshardHandle",
     "clip_grad_norm_",
     "export_safetensors",
     "full_state_dict",
@@ -49,9 +53,11 @@ __all__ = [
     "no_sync",
     "plan",
     "precision_plan",
+    "register_fsdp_forward_method",
     "save_checkpoint",
     "set_debug",
     "shard_model",
+    "share_comm_ctx",
     "size_policy",
     "trace",
     "transformer_policy",

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardwise as sw
@@ -44,7 +45,10 @@ def shard(model: nn.Module, mesh: object | None = None) -> nn.Module:
     for m in model:
         if isinstance(m, nn.Linear):
             sw.fully_shard(m, mesh=mesh)
-    return sw.fully_shard(model, mesh=mesh)
+    sw.fully_shard(model, mesh=mesh)
+    # PyTorch's own code (DCP helpers, clip_grad_norm_) sees torch FSDPModules here.
+    assert all(isinstance(m, FSDPModule) for m in [model, *model] if sw.fully_shard.state(m))
+    return model
 
 
 def backward(model: nn.Module, step: int, rank: int, world: int) -> None:

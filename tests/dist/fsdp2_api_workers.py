@@ -25,11 +25,11 @@ def _raises(fn: object, *words: str) -> None:
 
 
 def api(rank: int, world: int) -> None:
-    # Refused with a clear error: a list of modules, an int reshard_after_forward.
+    # Refused with a clear error: an int reshard_after_forward that is not a divisor of the
+    # shard group (resharding to a proper sub-group is refused too, at 4+ ranks).
     m = make(0)
-    _raises(lambda: sw.fully_shard([m[0], m[2]]), "list of 2 modules", "common parent")
-    _raises(lambda: sw.fully_shard(m[0], reshard_after_forward=2),
-            "reshard_after_forward=2", "bool")
+    _raises(lambda: sw.fully_shard(m[0], reshard_after_forward=3),
+            "reshard_after_forward=3", "divisor")
 
     # PyTorch's own policy objects are accepted and mean what they mean there.
     m = make(0)
@@ -76,8 +76,11 @@ def api(rank: int, world: int) -> None:
             mod.reshard()
     model.zero_grad()
 
-    # set_gradient_divide_factor(1.0): the sum over ranks instead of the mean.
-    model.set_gradient_divide_factor(1.0)
+    # set_gradient_divide_factor(1.0) on every unit (not recursive, as in FSDP2): the sum
+    # over ranks instead of the mean.
+    for mod in model.modules():
+        if isinstance(mod, sw.ShardedModule):
+            mod.set_gradient_divide_factor(1.0)
     backward(model, 0, rank, world)
     ref_backward(ref, 0)
     refp = dict(ref.named_parameters())

@@ -173,3 +173,75 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
                      "attention": cal.attention_efficiency,
                      "elementwise_gbs": cal.elementwise_bandwidth / 1e9})
     return {**memory, "time_ratio": statistics.median(ratios), "rounds": rows}
+
+
+# A Llama with grouped-query attention (4 heads, 2 kv heads), a SwiGLU MLP and an untied
+# head; sizes that dp 2 splits unevenly after tp 2 (vocab 37, MLP 2 x 3 rows per TP rank...).
+LLAMA = {"model_type": "llama", "hidden_size": 24, "intermediate_size": 30,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 37, "max_position_embeddings": 16, "tie_word_embeddings": False}
+LLAMA_TP = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
+            "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col",
+            "mlp.down_proj": "row"}
+
+
+def _tp_gpt(cfg_kw: dict, mesh: object) -> tuple[torch.nn.Module, object]:
+    from shardwise.train.tensor_parallel import parallelize_gpt
+
+    cfg = GPTConfig(**cfg_kw)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    parallelize_gpt(model, mesh["tp"])  # type: ignore[index]
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    return model, meta
+
+
+def _tp_llama(mesh: object) -> tuple[torch.nn.Module, object]:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA.items()
+                                            if k != "model_type"}))
+    tp_plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel()
+               for k, v in LLAMA_TP.items()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], tp_plan)  # type: ignore[index]
+    return model, dict(LLAMA)  # planned from the config alone
+
+
+def tp_states_case(rank: int, world: int, tp: int, gpt_kw: dict) -> list[dict]:
+    """dp x tp: bytes held after an optimizer step vs `sw.plan(..., tensor_parallel=tp)`,
+    for our GPT (the trainer's TP plan) and a Hugging Face Llama (GQA, SwiGLU, untied
+    head; PyTorch's Colwise/RowwiseParallel) planned from its config.json alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    out = []
+    for name, build in (("gpt", lambda: _tp_gpt(gpt_kw, mesh)),
+                        ("llama", lambda: _tp_llama(mesh))):
+        model, what = build()
+        blocks = model.blocks if name == "gpt" else model.model.layers  # type: ignore[union-attr]
+        for b in blocks:
+            sw.fully_shard(b, mesh=mesh["dp"])
+        sw.fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(0, 37, (1, 8), generator=torch.Generator().manual_seed(0))
+        if name == "gpt":
+            loss = model(idx, idx)
+        else:
+            loss = model(input_ids=idx, labels=idx).loss
+        loss.backward()
+        opt.step()
+        held = held_bytes(model, opt)
+        r = plan(what, world_size=world, tensor_parallel=tp, rank=rank).per_rank
+        out.append({"case": f"{name} dp{world // tp} x tp{tp}", "rank": rank, "held": held,
+                    "planned": {"params": r.params_bytes, "grads": r.grads_bytes,
+                                "optimizer": r.optimizer_bytes}})
+        del model, opt
+    return out

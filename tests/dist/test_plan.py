@@ -2,7 +2,8 @@
 
 - bytes held after an optimizer step (params + grads + optimizer state, summed from the
   actual tensors) vs `sw.plan` on a meta model: within 2% on every rank, at 2 and 4 ranks,
-  for each strategy (HYBRID_SHARD as 2 nodes x 2);
+  for each strategy (HYBRID_SHARD as 2 nodes x 2); with tensor parallelism (dp 2 x tp 2,
+  our GPT and a Hugging Face Llama planned from its config): equal;
 - peak RSS growth over a few steps vs the planned total: within 15%.
 
 Step time vs the plan is a measurement, not a test (machines are noisy):
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.testing import run_distributed
-from tests.dist.plan_workers import rss_and_time_case, states_case
+from tests.dist.plan_workers import rss_and_time_case, states_case, tp_states_case
 
 # Odd sizes on purpose: d_model=90 rows split unevenly over 4 ranks (padding), 3 heads.
 SMALL = dict(vocab_size=256, block_size=64, n_layer=3, n_head=3, d_model=90)
@@ -52,3 +53,16 @@ def test_rss_matches_the_plan() -> None:
         # The plan is for rank 0, the worst rank; every rank holds at most that.
         ratio = r["rss_growth"] / r["planned_total"]
         assert 0.85 <= ratio <= 1.15, (r["rank"], r["rss_growth"], r["planned_total"])
+
+
+def test_states_match_the_plan_at_dp2_x_tp2() -> None:
+    """Issue 24: with tensor parallelism each rank holds 1/tp of every block matrix,
+    sharded over dp: the plan of the measured run's bytes, term by term, on every rank,
+    exactly (padding and the uneven last rank included). The Llama is planned from its
+    config.json alone, the GPT from its meta model."""
+    gpt = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=30)
+    results = run_distributed(tp_states_case, 4, 2, gpt)
+    for per_rank in results:
+        assert [c["case"] for c in per_rank] == ["gpt dp2 x tp2", "llama dp2 x tp2"]
+        for case in per_rank:
+            assert case["held"] == case["planned"], case

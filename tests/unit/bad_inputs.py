@@ -67,6 +67,9 @@ class Net(nn.Module):
         return x
 
 
+_LIN = nn.Linear(2, 2)
+
+
 def sharded() -> nn.Module:
     return sw.shard_model(Net())
 
@@ -161,10 +164,27 @@ CASES: list[Case] = [
         _fs(mesh=3)),
     api("fully_shard(mesh)", "object with ndim=1, no get_group", "must be None or a 1-D or 2-D "
         "torch DeviceMesh", _fs(mesh=SimpleNamespace(ndim=1))),
-    api("fully_shard(module)", "[m1, m2]", "fully_shard on a list of 2 modules is not "
-        "supported", lambda: sw.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])),  # type: ignore[arg-type]
-    api("fully_shard(reshard_after_forward)", "1", "reshard_after_forward=1 is not supported: "
-        "must be a bool", _fs(reshard_after_forward=1)),
+    api("fully_shard(module)", "[]", "fully_shard got an empty list of modules",
+        lambda: sw.fully_shard([])),
+    api("fully_shard(module)", "[m, m]", "fully_shard got a list with the same module twice",
+        lambda: sw.fully_shard([_LIN, _LIN])),
+    api("fully_shard(reshard_after_forward)", "'yes'", "reshard_after_forward='yes' must be "
+        "None, a bool or an int group size", _fs(reshard_after_forward="yes")),
+    api("fully_shard(reshard_after_forward)", "3 (shard group of 1)", "reshard_after_forward=3 "
+        "as an int must be a divisor of the shard group size 1", _fs(reshard_after_forward=3)),
+    # FSDP2's module methods and module-level functions
+    api("FSDPModule.set_reshard_after_forward", "1", "reshard_after_forward should be a bool",
+        lambda: sharded().set_reshard_after_forward(1)),  # type: ignore[arg-type]
+    api("FSDPModule.set_all_reduce_hook", "3", "hook=3 must be a callable",
+        lambda: sharded().set_all_reduce_hook(3)),  # type: ignore[arg-type]
+    api("FSDPModule.set_custom_all_gather", "3", "must implement FSDP2's Comm protocol",
+        lambda: sharded().set_custom_all_gather(3)),
+    api("FSDPModule.set_post_optim_event", "3", "event=3 must be a torch.Event",
+        lambda: sharded().set_post_optim_event(3)),
+    api("register_fsdp_forward_method(method_name)", "'nope'", "does not have a method 'nope'",
+        lambda: sw.register_fsdp_forward_method(sharded(), "nope")),
+    api("share_comm_ctx(modules)", "[nn.Linear]", "share_comm_ctx expects sharded modules",
+        lambda: sw.share_comm_ctx([nn.Linear(2, 2)])),
     api("fully_shard(shard_placement_fn)", "lambda p: Shard(1)", "shardwise shards every "
         "parameter on dim 0 only", _fs(shard_placement_fn=lambda p: _shard_dim(1))),
     api("fully_shard(shard_placement_fn)", "lambda p: Replicate()", "must return torch's "
@@ -356,6 +376,21 @@ CASES: list[Case] = [
         _plan(world_size=4, ranks_per_node=3, sharding_strategy="HYBRID_SHARD")),
     api("plan(rank)", "2 (world 2)", f"rank=2 {P}: must be an int in [0, 1]", _plan(rank=2)),
     api("plan(rank)", "'0'", "rank='0'", _plan(rank="0")),
+    api("plan(model_or_param_count)", "'llama9' (no such preset)", "model_or_param_count="
+        "'llama9': 'llama9' is neither a preset (llama3-8b, llama3-70b, llama3-405b, "
+        "qwen2-7b, mixtral-8x7b) nor a config.json file", _plan(count="llama9")),
+    api("plan(model_or_param_count)", "{'model_type': 'bert', ...}", "model_type='bert' is "
+        "not supported; supported: gemma, gpt2, llama, mistral, mixtral, qwen2",
+        _plan(count={"model_type": "bert", "hidden_size": 64})),
+    api("plan(model_or_param_count)", "a llama config without num_hidden_layers",
+        "the field 'num_hidden_layers' is missing (a llama config needs hidden_size, "
+        "num_hidden_layers", _plan(count={"model_type": "llama", "hidden_size": 64,
+                                          "num_attention_heads": 4, "vocab_size": 10,
+                                          "intermediate_size": 8})),
+    api("plan(shape)", "{...} with a config", "a config carries its own shape",
+        _plan(count="llama3-8b", shape={"n_layers": 1, "d_model": 8, "n_heads": 1,
+                                        "vocab_size": 8})),
+    api("plan(tp_embedding)", "'yes'", f"tp_embedding='yes' {P}", _plan(tp_embedding="yes")),
 ]
 
 # On 2 ranks: each call fails on every rank, and the ranks stay in step (no rank is left

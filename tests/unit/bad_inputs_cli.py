@@ -11,6 +11,7 @@ from .bad_inputs import NO_SUCH, Case
 
 NOT_TOML = str(Path(__file__).resolve().parents[2] / "src" / "shardwise" / "__init__.py")
 A_FILE = NOT_TOML
+CONFIGS = str(Path(__file__).resolve().parent / "configs")  # configs plan must refuse
 
 
 def cli(argv: str | list[str], bad: str, expect: str, knob: str | None = None) -> Case:
@@ -108,7 +109,22 @@ PLAN_CASES = [
     cli("plan --model huge", "huge", "model preset 'huge' is not one of: tiny"),
     cli("plan --model tiny --params 1e9", "both", "not allowed with argument",
         knob="shardwise plan --model --params"),
-    cli("plan", "(neither)", "give --params N or --model PRESET", knob="shardwise plan (no model)"),
+    cli("plan", "(neither)", "give --params N, --model PRESET or --config PATH",
+        knob="shardwise plan (no model)"),
+    cli("plan --config llama9", "llama9", "--config=llama9: 'llama9' is neither a preset "
+        "(llama3-8b, llama3-70b, llama3-405b, qwen2-7b, mixtral-8x7b)"),
+    cli(["plan", "--config", f"{CONFIGS}/bert"], "a BERT config.json", "model_type='bert' is "
+        "not supported; supported: gemma, gpt2, llama, mistral, mixtral, qwen2",
+        knob="shardwise plan --config (architecture)"),
+    cli(["plan", "--config", f"{CONFIGS}/llama-no-layers"], "a config without a field",
+        "the field 'num_hidden_layers' is missing", knob="shardwise plan --config (field)"),
+    cli(["plan", "--config", A_FILE], "not JSON", "not a readable JSON file",
+        knob="shardwise plan --config (not JSON)"),
+    cli("plan --config llama3-8b --layers 4", "--layers with --config", "a config "
+        "(llama3-8b) carries its own shape", knob="shardwise plan --config --layers"),
+    cli("plan --model llama3-8b --ffn 64", "--ffn with a preset", "carries its own shape",
+        knob="shardwise plan --model --ffn"),
+    cli("plan --params 1e9 --tp-embedding=yes", "yes", IGNORED),
     cli("plan --params 1e9 --world-size 0", "0", f"--world-size=0 {NA}: must be >= 1"),
     cli("plan --params 1e9 --strategy ZERO3", "ZERO3", "--strategy='ZERO3' is not one of: "
         "FULL_SHARD"),

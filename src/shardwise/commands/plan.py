@@ -3,6 +3,8 @@
     shardwise plan --model 7b --world-size 8 --mixed-precision bf16 --device h100-80gb \\
         --batch-size 1 --seq-len 4096
     shardwise plan --params 7.5e9 --world-size 64 --device h100-80gb --interconnect ib-400g
+    shardwise plan --config llama3-70b --world-size 64 --tp 8 --device h100-80gb \
+        --mixed-precision bf16 --activation-checkpointing    # or --config path/to/config.json
     shardwise plan --calibrate            # measure this machine, predict `shardwise train`
 
 Prints the chosen strategy's per-rank table, then every strategy side by side, marking the
@@ -20,6 +22,7 @@ from ._args import Parser, at_least, finite, report
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ..planner.hf_config import ARCHITECTURES, PRESETS
     from ..planner.memory import OPTIMIZERS
     from ..planner.profiles import DEVICES, INTERCONNECTS
 
@@ -27,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--params", type=float, help="a bare parameter count, e.g. 7.5e9")
-    what.add_argument("--model", help="a GPT preset from shardwise.train.model (tiny ... 13b)")
+    what.add_argument("--model", help="a GPT preset from shardwise.train.model (tiny ... 13b) "
+                      f"or a Hugging Face preset ({', '.join(PRESETS)})")
+    what.add_argument("--config", help="a Hugging Face config.json (or its folder) of a "
+                      f"{', '.join(sorted(ARCHITECTURES))} model, or a preset: "
+                      f"{', '.join(PRESETS)}")
     ap.add_argument("--world-size", type=int, help="ranks (default 8; --calibrate: --nproc)")
     ap.add_argument("--strategy", default="FULL_SHARD", type=str.upper,
                     help=f"{', '.join(STRATEGIES)} (default FULL_SHARD); all are compared")
@@ -42,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="with --tp: split the residual stream by sequence across the TP "
                          "group (reduce-scatter + all-gather instead of all-reduce)")
+    ap.add_argument("--tp-embedding", action="store_true",
+                    help="with --tp: split the embedding and output head across the TP group "
+                         "too (torchtitan's plan, loss parallel); default: whole on every rank")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int,
                     help="tokens per sequence (default: the model's context length, with batch "
@@ -64,13 +74,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str]:
+    from ..planner.hf_config import PRESETS, load_shape
+
+    config = args.config or (args.model if args.model and args.model.lower() in PRESETS
+                             else None)
+    if config:
+        given = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "ffn")
+                 if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{' '.join(given)}: a config ({config}) carries its own shape; "
+                             "the shape options are only for --params")
+        try:
+            shape, label = load_shape(config)
+        except ValueError as e:
+            raise ValueError(f"--config={config}: {e}") from None
+        return shape, None, f"config {label}"
     if args.model:
         import torch
 
         from ..train.model import GPT, preset
 
         args.model = args.model.lower()  # `7B` names the preset `7b`
-        cfg = preset(args.model)  # raises with the allowed names
+        try:
+            cfg = preset(args.model)
+        except ValueError as e:  # the GPT presets' names, then the Hugging Face ones
+            raise ValueError(f"{e}; or a Hugging Face preset: {', '.join(PRESETS)}") from None
         with torch.device("meta"):
             model = GPT(cfg)
         return model, None, f"GPT '{args.model}'"
@@ -90,11 +118,13 @@ def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str
 def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
               device: object, interconnect: object) -> dict[str, object]:
     from ..planner import plan
+    from ..planner.plan import plan_one
 
     out = {}
     for s in STRATEGIES:
-        try:
-            out[s] = plan(what, world_size=args.world_size, sharding_strategy=s,
+        try:  # alternatives only for the chosen strategy: the others are one row each
+            fn = plan if s == args.strategy else plan_one
+            out[s] = fn(what, world_size=args.world_size, sharding_strategy=s, rank=0,
                           auto_wrap_policy=None if args.wrap == "none" else "transformer",
                           mixed_precision=args.mixed_precision, optimizer=args.optimizer,
                           cpu_offload=args.cpu_offload, batch_size=args.batch_size,
@@ -102,7 +132,8 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
                           activation_checkpointing=args.activation_checkpointing,
                           device=device, interconnect=interconnect, shape=shape,
                           ranks_per_node=args.ranks_per_node, tensor_parallel=args.tp,
-                          sequence_parallel=args.sequence_parallel)
+                          sequence_parallel=args.sequence_parallel,
+                          tp_embedding=args.tp_embedding)
         except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
             if s == args.strategy:
                 raise
@@ -149,15 +180,19 @@ def _calibrate(args: argparse.Namespace, what: object,
                shape: dict | None) -> tuple[object, object, str]:
     """Measure this machine with the model's own matmul and attention shapes."""
     from ..planner.calibrate import calibrate
-    from ..planner.shape import coerce_shape, shape_of_model
+    from ..planner.shape import TransformerShape, coerce_shape, shape_of_model
     from ..planner.units import synthetic_shape
 
-    s = (shape_of_model(what) if not isinstance(what, (int, float)) else
-         coerce_shape(shape) or synthetic_shape(int(what)))
+    if isinstance(what, TransformerShape):  # from a config
+        s: TransformerShape | None = what
+    else:
+        s = (shape_of_model(what) if not isinstance(what, (int, float)) else  # type: ignore[arg-type]
+             coerce_shape(shape) or synthetic_shape(int(what)))
     b, t = args.batch_size or 1, args.seq_len or 128
     d, h = (s.d_model, s.n_heads) if s else (1024, 8)
     ffn = s.ffn_dim if s else 4 * d
-    cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, d // h))
+    head_dim = s.head_dim if s else d // h
+    cal = calibrate(args.nproc, matmul=(b * t, d, ffn), attention=(b, h, t, head_dim))
     bw = ", ".join(f"{k} {v / 2**30:.2f} GiB/s" for k, v in cal.collective_bandwidth.items())
     line = (f"calibrated {args.nproc} local ranks x {cal.threads} threads (wall clock, the "
             f"machine's load included): {cal.flops['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul "
@@ -181,10 +216,10 @@ def main(argv: list[str]) -> int:
     interconnect: object = args.interconnect
     header = []
     try:
-        if args.calibrate and not (args.params or args.model):  # `shardwise train`'s defaults
-            args.model, args.batch_size = "small", args.batch_size or 8
-        if args.params is None and args.model is None:
-            ap.error("give --params N or --model PRESET (or --calibrate)")
+        if args.calibrate and not (args.params or args.model or args.config):
+            args.model, args.batch_size = "small", args.batch_size or 8  # train's defaults
+        if args.params is None and args.model is None and args.config is None:
+            ap.error("give --params N, --model PRESET or --config PATH (or --calibrate)")
         args.world_size = args.world_size or (args.nproc if args.calibrate else 8)
         what, shape, label = _model_and_shape(args)
         if args.calibrate:

@@ -13,6 +13,7 @@ the first forward (`ensure_ready`).
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,16 +36,20 @@ class ModelContext:
         self.step = 0
         self.ready = False
         self._final_queued = False
+        # set_post_optim_event: waited for at the start of the next root forward.
+        self.post_optim_event: object | None = None
 
     @classmethod
     def create(cls, top: Unit) -> ModelContext:
         """A context for `top`, taking in every unit already sharded beneath its module."""
         ctx = cls(top)
-        units = []
-        for name, m in top.module.named_modules():
+        units: list[Unit] = []
+        seen: set[int] = set()
+        for name, m in _named_modules(top.modules):
             u = getattr(m, "_sw_unit", None)
-            if u is None:
-                continue
+            if u is None or id(u) in seen:
+                continue  # a list-form unit is reached through each of its modules
+            seen.add(id(u))
             old = u.ctx
             if old is not None and old is not ctx:
                 if old.ready:
@@ -101,14 +106,17 @@ class ModelContext:
         check_params_in_place(self.units)
         _check_same_layout(self.units)
         # Sibling units that data may skip ([Note: lockstep] in schedule.py).
-        self.schedule.groups = find_groups(self.top.module, self.units,
-                                           {id(u): u.module for u in self.units})
+        self.schedule.groups = find_groups(self.top.modules, self.units,
+                                           {id(u): u.modules for u in self.units})
         self.ready = True
         return self
 
     # --- step boundaries ----------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()  # type: ignore[attr-defined]  # the current stream waits for it
         if self.schedule.state is TrainingState.PRE_BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
             self.finish_backward()
@@ -128,6 +136,34 @@ class ModelContext:
         """Root final callback: every gradient reduced, every unit sharded."""
         self.schedule.end_backward()
         self._final_queued = False
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: wait for the collectives in flight (every
+        rank issued them), drop their results and every unreduced gradient, reshard."""
+        sched = self.schedule
+        while sched.pending:
+            pr: Any = sched.pending.popleft()
+            pr.work.wait()
+            if pr.send is not None:
+                pr.unit.pool.release(pr.send)
+        for u in self.units:
+            u.reshard()
+            for p in u.params:
+                if not p.direct:
+                    p.unsharded.grad = None
+                    p.acc_grad = None
+            u.training_state = TrainingState.IDLE
+        sched.state = TrainingState.IDLE
+        sched.order_now = []
+        self._final_queued = False
+
+
+def _named_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    if len(modules) == 1:
+        return list(modules[0].named_modules())
+    # The list form: names are relative to each module, prefixed by its position.
+    return [(f"{i}.{n}" if n else str(i), m) for i, top in enumerate(modules)
+            for n, m in top.named_modules()]
 
 
 def context_of(model: nn.Module) -> ModelContext | None:

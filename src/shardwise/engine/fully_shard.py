@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from . import dtensor as DT
 from .buffers import BufferPool
@@ -25,7 +26,9 @@ from .policies import (
     resolve_wrap_policy,
 )
 from .schedule import ShardedState
+from .sd_hooks import install_state_dict_hooks
 from .sharded_param import ParamRef, ShardedParam
+from .state import ShardwiseState, state_of
 from .tp import TPContext, context_for
 from .unit import Unit
 from .wrap import assign_params, wrap_targets
@@ -41,7 +44,7 @@ class ShardedModule(FSDP2Methods):
         # instance (nn.Sequential's slice builds one with type(self)(...)) has no unit
         # behind it: make it a plain module of the original class.
         plain = next(c for c in cls.__mro__
-                     if not issubclass(c, (ShardedModule, FSDP2Methods)))
+                     if issubclass(c, nn.Module) and not issubclass(c, ShardedModule))
         obj = plain.__new__(plain)
         obj.__init__(*args, **kwargs)
         return obj
@@ -55,6 +58,7 @@ class ShardedModule(FSDP2Methods):
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # model.to(dtype/device), .half(), .cuda() would swap the shards' storage behind
         # the engine's back (it keeps its own views), failing later inside forward.
+        _to_empty(self._sw_unit, fn)
         for sp in self._sw_unit.params:
             probe = torch.empty(0, dtype=sp.orig_dtype, device=sp.host_device)
             moved = fn(probe)
@@ -72,10 +76,35 @@ class ShardedModule(FSDP2Methods):
         for m, name, _ in held:
             m._parameters[name] = None
         try:
-            return super()._apply(fn, recurse)  # type: ignore[misc]
+            # Past FSDPModule._apply, which would read FSDP2's own state: the module's class.
+            return super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         finally:
             for m, name, t in held:
                 m._parameters[name] = t
+
+
+def _to_empty(unit: Unit, fn: Any) -> None:
+    """`model.to_empty(device=...)` on a model sharded on the meta device allocates the
+    shards (FSDP2's meta-init route: shard on meta, to_empty, then initialize the DTensor
+    parameters). Recognized by what `fn` makes of a meta tensor: a real one."""
+    meta = [sp for sp in unit.params if sp.is_meta]
+    if not meta:
+        return
+    try:
+        moved = fn(torch.empty(0, dtype=meta[0].orig_dtype, device="meta"))
+    except (NotImplementedError, RuntimeError):
+        return  # .to(device) of a meta tensor: nothing to copy from, torch refuses it
+    if not isinstance(moved, torch.Tensor) or moved.is_meta:
+        return
+    host = meta[0].host_device
+    if moved.device.type != host.type or (moved.device.index is not None
+                                          and host.index is not None
+                                          and moved.device.index != host.index):
+        raise ValueError(
+            f"to_empty(device={moved.device}) on unit {unit.label!r}: its shards live on "
+            f"{host} (the mesh's device, or the CPU under offload_policy); use that device")
+    for sp in meta:
+        sp.materialize()
 
 
 _CLASS_CACHE: dict[type, type] = {}
@@ -93,64 +122,95 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: object | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: CPUOffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
-) -> nn.Module:
+) -> Any:
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
-    Call it on the blocks first and on the root last. The module keeps its class and gains
-    FSDP2's module methods (module_api.py). `mp_policy` and `offload_policy` also take
-    torch.distributed.fsdp's own policy objects. `shard_placement_fn` may return `Shard(0)` or
-    None for each parameter; another dim is refused (checks.check_shard_placement).
+    Call it on the blocks first and on the root last. The module keeps its class, becomes a
+    `torch.distributed.fsdp.FSDPModule` and gains FSDP2's module methods (module_api.py).
+    A list of modules makes one unit over all of them (FSDP2's `fully_shard([norm, head])`),
+    and the list is returned. `reshard_after_forward`: None (FSDP2's default) reshards after
+    forward except on the root; True/False apply to the root too. `mp_policy` and
+    `offload_policy` also take torch.distributed.fsdp's own policy objects.
+    `shard_placement_fn` may return `Shard(0)` or None for each parameter; another dim is
+    refused (checks.check_shard_placement).
     """
-    mp, offload, ignored = _validate(module, reshard_after_forward, mp_policy, offload_policy,
-                                     ignored_params)
-    assert isinstance(module, nn.Module)
-    check_shard_placement(module, shard_placement_fn, ignored)
+    modules = _validate_modules(module)
+    mp, offload, ignored = _validate(modules, reshard_after_forward, mp_policy,
+                                     offload_policy, ignored_params)
+    for m in modules:
+        check_shard_placement(m, shard_placement_fn, ignored)
     # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
-    tp = context_for(module, mesh)
-    return _shard(module, mesh_info_for(mesh), reshard_after_forward, mp, offload,
-                  _mark_ignored(ignored), None, tp)
-
-
-def _shard(module: nn.Module, info: MeshInfo, reshard_after_forward: bool,
-           mp: MixedPrecisionPolicy | None, offload: CPUOffloadPolicy | None,
-           ignored: set[int], owned: set[int] | None, tp: TPContext | None) -> nn.Module:
-    """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
-    owns, when the caller computed ownership for the whole model (shard_model); None: take
-    what no sharded child owns and re-home tied parameters shared with siblings."""
-    new, rehome = _collect_params(module, ignored, owned, tp)
-    params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp)
-    unit = Unit(module, "", params, info, reshard_after_forward, mp, offload, BufferPool())
-    for sp in params:
-        sp.owner = unit
-    module._sw_unit = unit  # type: ignore[attr-defined]
-    ModelContext.create(unit)
-    _install_hooks(module)
+    tp = context_for(modules[0], mesh)
+    info = mesh_info_for(mesh)
+    raf = check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    _shard(modules, info, True if raf is None else bool(raf), mp, offload,
+           _mark_ignored(ignored), None, tp, auto=raf is None)
     return module
 
 
-def _validate(module: object, reshard_after_forward: object, mp_policy: object,
+def _state(module: nn.Module) -> ShardwiseState | None:
+    """`fully_shard.state(module)`, as in FSDP2 (engine/state.py)."""
+    return state_of(module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
+def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_forward: bool,
+           mp: MixedPrecisionPolicy | None, offload: CPUOffloadPolicy | None,
+           ignored: set[int], owned: set[int] | None, tp: TPContext | None,
+           auto: bool = True) -> None:
+    """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
+    owns, when the caller computed ownership for the whole model (shard_model); None: take
+    what no sharded child owns and re-home tied parameters shared with siblings."""
+    modules = module if isinstance(module, list) else [module]
+    new, rehome = _collect_params(modules, ignored, owned, tp)
+    params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp)
+    unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, offload,
+                BufferPool())
+    unit.modules = list(modules)
+    unit.auto_reshard_after_forward = auto
+    for sp in params:
+        sp.owner = unit
+    for m in modules:
+        m._sw_unit = unit  # type: ignore[attr-defined]
+    ModelContext.create(unit)
+    for m in modules:
+        _install_hooks(m)
+    install_state_dict_hooks(params)
+
+
+def _validate_modules(module: object) -> list[nn.Module]:
+    if isinstance(module, (list, tuple)):
+        if not module:
+            raise ValueError("fully_shard got an empty list of modules")
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("fully_shard got a list with the same module twice")
+        modules = list(module)
+    else:
+        modules = [module]  # type: ignore[list-item]
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard needs an nn.Module, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard got a {type(m).__name__}, which has no forward of its own, so "
+                "its hooks would never run; shard each of its modules instead"
+            )
+        if getattr(m, "_sw_unit", None) is not None:
+            raise ValueError(f"{type(m).__name__} is already sharded")
+    return modules
+
+
+def _validate(modules: list[nn.Module], reshard_after_forward: object, mp_policy: object,
               offload_policy: object, ignored_params: Iterable[nn.Parameter] | None
               ) -> tuple[MixedPrecisionPolicy | None, CPUOffloadPolicy | None,
                          list[nn.Parameter]]:
-    if isinstance(module, (list, tuple)):
-        raise ValueError(
-            f"fully_shard on a list of {len(module)} modules is not supported: shard their "
-            "common parent instead (tied parameters shared by several units, such as an "
-            "embedding and its head, are moved into that parent's unit automatically)")
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        raise ValueError(
-            f"fully_shard got a {type(module).__name__}, which has no forward of its own, so "
-            "its hooks would never run; shard each of its modules instead"
-        )
-    if getattr(module, "_sw_unit", None) is not None:
-        raise ValueError(f"{type(module).__name__} is already sharded")
     check_reshard_after_forward(reshard_after_forward)
     mp = MixedPrecisionPolicy.from_torch(mp_policy)
     offload = CPUOffloadPolicy.from_torch(offload_policy)
@@ -174,16 +234,23 @@ _NewParams = dict[int, tuple[nn.Parameter, list[ParamRef]]]
 _Rehome = dict[int, tuple[ShardedParam, list[ParamRef]]]
 
 
-def _collect_params(module: nn.Module, ignored: set[int], owned: set[int] | None,
+def _collect_params(modules: list[nn.Module], ignored: set[int], owned: set[int] | None,
                     tp: TPContext | None
                     ) -> tuple[_NewParams, _Rehome]:
     """(plain parameters to shard, already-sharded ones to re-home into this unit), each
-    with every (module, name) that refers to it under `module`."""
-    subtree = {id(m) for m in module.modules()}
+    with every (module, name) that refers to it under `modules`."""
+    subtree = {id(m) for top in modules for m in top.modules()}
     new: _NewParams = {}
     rehome: _Rehome = {}
     owner_trees: dict[int, set[int]] = {}
-    for mname, m in module.named_modules():
+    named = (modules[0].named_modules() if len(modules) == 1 else
+             [(f"{i}.{n}" if n else str(i), m) for i, top in enumerate(modules)
+              for n, m in top.named_modules()])
+    seen_mods: set[int] = set()
+    for mname, m in named:
+        if id(m) in seen_mods:
+            continue  # a module inside two of the listed ones
+        seen_mods.add(id(m))
         for pname, t in m._parameters.items():
             if t is None or id(t) in ignored or getattr(t, "_sw_ignored", False):
                 continue
@@ -203,7 +270,8 @@ def _collect_params(module: nn.Module, ignored: set[int], owned: set[int] | None
             if owner is None:
                 continue
             if id(owner) not in owner_trees:
-                owner_trees[id(owner)] = {id(x) for x in owner.module.modules()}
+                owner_trees[id(owner)] = {id(x) for top in owner.modules
+                                          for x in top.modules()}
             if id(m) in owner_trees[id(owner)]:
                 continue  # inside the owner's own subtree: the owner's business
             if id(owner.module) not in subtree:

@@ -33,31 +33,38 @@ class Groups(Generic[U]):
     closes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
-def find_groups(top: nn.Module, units: list[U], module_of: dict[int, nn.Module]) -> Groups[U]:
-    """The groups of `units` (all under `top`); `module_of[id(unit)]` is the unit's module."""
-    unit_at = {id(module_of[id(u)]): u for u in units}
-    named = dict(top.named_modules())
+def find_groups(tops: list[nn.Module], units: list[U],
+                modules_of: dict[int, list[nn.Module]]) -> Groups[U]:
+    """The groups of `units` (all under the modules `tops`); `modules_of[id(unit)]` is the
+    unit's module (several for FSDP2's list form)."""
+    unit_at = {id(m): u for u in units for m in modules_of[id(u)]}
     groups: Groups[U] = Groups()
     containers: list[nn.Module] = []
-    for name, c in named.items():
-        if not isinstance(c, (nn.ModuleList, nn.ModuleDict)) or not name:
-            continue
-        holder = named[name.rpartition(".")[0]]
-        if id(holder) in unit_at:
-            continue
-        members = [unit_at[id(m)] for m in c.children() if id(m) in unit_at]
-        if len(members) < 2:
-            continue
-        g = len(groups.members)
-        groups.members.append(members)
-        containers.append(c)
-        for k, u in enumerate(members):
-            groups.member_of[id(u)] = (g, k)
+    for top in tops:
+        named = dict(top.named_modules())
+        for name, c in named.items():
+            if not isinstance(c, (nn.ModuleList, nn.ModuleDict)) or not name:
+                continue
+            holder = named[name.rpartition(".")[0]]
+            if id(holder) in unit_at:
+                continue
+            members: list[U] = []
+            for m in c.children():
+                u = unit_at.get(id(m))
+                if u is not None and all(u is not x for x in members):
+                    members.append(u)
+            if len(members) < 2:
+                continue
+            g = len(groups.members)
+            groups.members.append(members)
+            containers.append(c)
+            for k, u in enumerate(members):
+                groups.member_of[id(u)] = (g, k)
     below = [{id(m) for m in c.modules()} for c in containers]
     for u in units:
-        m = module_of[id(u)]
-        groups.inside[id(u)] = frozenset(g for g, ids in enumerate(below) if id(m) in ids)
-        inner = {id(x) for x in m.modules()}
-        groups.closes[id(u)] = tuple(g for g, c in enumerate(containers)
-                                     if id(c) in inner)
+        mine = modules_of[id(u)]
+        groups.inside[id(u)] = frozenset(g for g, ids in enumerate(below)
+                                         if any(id(m) in ids for m in mine))
+        inner = {id(x) for m in mine for x in m.modules()}
+        groups.closes[id(u)] = tuple(g for g, c in enumerate(containers) if id(c) in inner)
     return groups

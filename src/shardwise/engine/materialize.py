@@ -22,10 +22,21 @@ def materialize(
 ) -> nn.Module:
     """Allocate the local shards of a sharded meta-device model, then initialize them.
 
-    Each module's `reset_parameters()` (or `init_fn(module)` when given) runs on the module
-    while it holds only its shards, so no rank ever holds the whole model. Dim-0 sharding
-    leaves fan-in (dim 1) intact, so standard initializers keep their scale. Each shard rank
-    draws from its own random stream (seed + shard rank); replicas share it.
+    Without `init_fn`, each module's `reset_parameters()` runs while the module holds plain
+    views of its local shards, so no rank ever holds the whole model (dim-0 sharding leaves
+    fan-in, dim 1, intact: standard initializers keep their scale).
+
+    `init_fn(module)` is called on every module while it holds its sharded parameters as
+    DTensors, as after FSDP2's `to_empty`: `param.shape` is the full shape, so an init that
+    reasons about full shapes (a fused-QKV weight sliced by the model's dims, a std from
+    the full fan-out) sees the same numbers as on the unsharded model; in-place writes land
+    in this rank's shard; a full tensor it builds goes in with
+    `param.copy_(distribute_tensor(full, param.device_mesh, param.placements))`.
+    Parameters that are not sharded (ignored ones, one-element ones) are plain tensors.
+
+    Each shard rank draws from its own random stream (seed + shard rank); replicas share
+    it. (DTensor random ops on an accelerator mesh draw through DTensor's own generator,
+    which gives every shard its part of one draw.)
     Without `seed`, rank 0 draws one and every rank uses it (ranks seeded differently, as
     `torch.manual_seed(base + rank)` does, must still start replicas identical).
     Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
@@ -75,7 +86,11 @@ def materialize(
         with warnings.catch_warnings():
             # A rank whose shard of a small parameter is empty initializes zero elements.
             warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
-            with torch.no_grad(), _plain_shards(model):
+            # Not an error: DTensor's random ops on a CPU mesh draw from the (seeded) local
+            # generator, which is exactly the per-shard-rank stream.
+            warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+            plain = _plain_shards(model) if init_fn is None else contextlib.nullcontext()
+            with torch.no_grad(), plain:
                 for m in model.modules():
                     if init_fn is not None:
                         init_fn(m)

@@ -57,7 +57,9 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     if isinstance(mesh, MeshInfo):
         return mesh
     if mesh is None:
-        dmesh = DT.world_mesh(device.type) if C.world_size() > 1 else None
+        # A one-rank world has a mesh too (FSDP2's parameters are DTensors there as well:
+        # Lightning's ModelParallelStrategy finds a distributed model by them).
+        dmesh = DT.world_mesh(device.type) if C.is_initialized() else None
         return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
     ndim = getattr(mesh, "ndim", None)
     if not isinstance(mesh, DeviceMesh):

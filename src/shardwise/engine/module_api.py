@@ -1,5 +1,14 @@
 """FSDP2's per-module methods on a sharded module, so an FSDP2 user ports by an import.
 
+[Note: FSDPModule identity] A sharded module's class derives from torch's own
+`torch.distributed.fsdp.FSDPModule`, so the frameworks that detect FSDP2 with
+`isinstance(m, FSDPModule)` (torchtitan disabling gradient division, Lightning's
+`no_backward_sync`, chunked losses) take their FSDP2 path on it. FSDPModule's methods reach
+into FSDP2's internal state, so *every* one of them is overridden here (or in
+module_comm_api.py) to act on shardwise's units; tests/dist/fsdp2_identity_workers.py checks
+that none is inherited. `_get_fsdp_state()` returns shardwise's state view (state.py), not
+FSDP2's FSDPState.
+
 Each method acts on the unit of the module it is called on (and, with `recurse=True`, on
 every unit below it), as FSDP2's do. Where shardwise decides something itself (prefetch
 order, when to wait for reductions), the method is accepted, checked and documented as
@@ -11,14 +20,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .checks import check_bool, check_number
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+
+from .checks import check_bool
+from .module_comm_api import CommMethods
 
 # Imported at run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a
 # model's class (typing.get_type_hints), and a sharded module's class inherits these.
+from .state import ShardwiseState, state_of
 from .unit import Unit
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """What `unshard(async_op=True)` returns: `wait()` makes the full parameters usable."""
 
     def __init__(self, unit: Unit | None) -> None:
@@ -30,19 +44,27 @@ class UnshardHandle:
             self._unit = None
 
 
-class FSDP2Methods:
+class FSDP2Methods(CommMethods, FSDPModule):
     """Mixed into ShardedModule: the module methods FSDP2 users call."""
 
     _sw_unit: Unit
 
     def _sw_units(self, recurse: bool) -> Iterator[Unit]:
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        seen: set[int] = set()
         for m in mods:
             unit = getattr(m, "_sw_unit", None)
-            if unit is not None:
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
                 yield unit
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+    def _get_fsdp_state(self) -> ShardwiseState:  # type: ignore[override]
+        """shardwise's state view of this module's unit (FSDP2 returns its FSDPState)."""
+        state = state_of(self)  # type: ignore[arg-type]
+        assert state is not None
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
         """Gather this unit's full parameters onto the module.
 
         async_op=True issues the all-gather and returns a handle; `handle.wait()` (or the
@@ -59,13 +81,28 @@ class FSDP2Methods:
         """Free this unit's full parameters; the module holds only its shards."""
         self._sw_unit.reshard()
 
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: reshard every unit, drop the failed step's
+        unreduced gradients and pending reductions, so the next step starts clean. Only on
+        the root (FSDP2 refuses it elsewhere too)."""
+        unit = self._sw_unit
+        if unit.ctx is None or not unit.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root sharded module "
+                               f"(the last one fully_shard was called on); "
+                               f"{type(self).__name__} is not the root")
+        unit.ctx.reset_iter_state()
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
                                   ) -> None:
         """True: free full parameters after forward (FULL_SHARD); False: keep them until
-        backward (SHARD_GRAD_OP). The root unit always keeps them (backward starts there)."""
-        check_reshard_after_forward(reshard_after_forward)
+        backward (SHARD_GRAD_OP). As in FSDP2, an explicit True applies to the root too."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward).__name__} "
+                             f"({reshard_after_forward!r})")
         for u in self._sw_units(recurse):
             u.reshard_after_forward = reshard_after_forward
+            u.auto_reshard_after_forward = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -103,22 +140,27 @@ class FSDP2Methods:
         of each backward, so there is nothing to defer."""
         check_bool("is_last_backward", is_last_backward)
 
-    def set_modules_to_forward_prefetch(self, modules: Iterable[Any]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[Any]) -> None:  # type: ignore[override]
         """Accepted for FSDP2 compatibility, checked: shardwise records the units' order on
         the first forward and prefetches the next unit itself (`set_prefetch` turns it off)."""
         _check_sharded_modules("set_modules_to_forward_prefetch", modules)
 
-    def set_modules_to_backward_prefetch(self, modules: Iterable[Any]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[Any]) -> None:  # type: ignore[override]
         """As `set_modules_to_forward_prefetch`: backward prefetch follows the recorded
         order reversed."""
         _check_sharded_modules("set_modules_to_backward_prefetch", modules)
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by `factor` instead of the data-parallel size (the
-        default, a mean over ranks); 1.0 gives the sum over ranks."""
-        factor = check_number("factor", factor, positive=True)
-        for u in self._sw_units(True):
-            u.grad_divide_factor = float(factor)
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: this unit's backward runs without gathering its parameters (for modules
+        whose backward needs no parameter values, such as an embedding); its gradients are
+        still reduced. Not recursive, as in FSDP2."""
+        check_bool("unshard_in_backward", unshard_in_backward)
+        self._sw_unit.unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted (FSDP2's private stream knob): shardwise already issues its prefetches
+        asynchronously and waits where the parameters are needed."""
+        check_bool("async_op", async_op)
 
     def set_prefetch(self, enabled: bool) -> None:
         """Turn all-gather prefetching on or off for the whole model (on by default)."""
@@ -127,11 +169,29 @@ class FSDP2Methods:
         self._sw_unit.ctx.schedule.prefetch = enabled
 
 
-def check_reshard_after_forward(value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"reshard_after_forward={value!r} is not supported: must be a bool (FSDP2's int "
-            "form, resharding to a smaller group after forward, is not implemented)")
+def check_reshard_after_forward(value: object, shard_size: int | None = None) -> object:
+    """FSDP2's forms: None (root False, others True), a bool, or an int group size that
+    FSDP2 maps to a bool (1: False, the shard-group size: True). A proper divisor, resharding
+    to a smaller group, is refused (see docs/porting.md)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward={value!r} must be None, a bool or an int "
+                         "group size")
+    if shard_size is None:
+        return value
+    if value < 1 or value > shard_size or shard_size % value:
+        raise ValueError(f"reshard_after_forward={value} as an int must be a divisor of the "
+                         f"shard group size {shard_size}")
+    if value == 1:
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value} (reshard to groups of {value} of the {shard_size} "
+        "shard ranks after forward) is not implemented: shardwise keeps one shard group per "
+        "unit. Use True (reshard fully, re-gather over all ranks in backward) or False (keep "
+        "the full parameters until backward)")
 
 
 def _check_sharded_modules(what: str, modules: Iterable[Any]) -> None:

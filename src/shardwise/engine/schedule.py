@@ -95,6 +95,7 @@ class ScheduledUnit(Protocol):
     state: ShardedState
     training_state: TrainingState
     reshard_after_forward: bool
+    reshards_after_forward: bool  # this step: reshard_after_forward, with the root's rule
     reshard_after_backward: bool
     is_root: bool
 
@@ -181,7 +182,7 @@ class Schedule(Generic[U]):
         return self._post_forward(unit, hooked)
 
     def _post_forward(self, unit: U, hooked: bool) -> tuple[int, int] | None:
-        if unit.reshard_after_forward and not unit.is_root:
+        if unit.reshards_after_forward:
             unit.reshard()
         unit.training_state = TrainingState.IDLE
         return self._point("pre", unit, hooked)
@@ -244,11 +245,12 @@ class Schedule(Generic[U]):
     def _pre_backward(self, unit: U) -> None:
         self.state = TrainingState.PRE_BACKWARD
         unit.training_state = TrainingState.PRE_BACKWARD
-        unit.wait_unshard()
+        if _unshards_in_backward(unit):
+            unit.wait_unshard()
         if not self.prefetch or not self.order:
             return
         i = self._index.get(id(unit))
-        if i is not None and i > 0:
+        if i is not None and i > 0 and _unshards_in_backward(self.order[i - 1]):
             self._prefetch(self.order[i - 1])
 
     def post_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
@@ -316,3 +318,8 @@ class Schedule(Generic[U]):
             unit.unshard(async_op=True)
             self.prefetches += 1
             self.most_gathers = max(self.most_gathers, in_flight + 1)
+
+
+def _unshards_in_backward(unit: ScheduledUnit) -> bool:
+    """False for a unit whose backward needs no parameter values (set_unshard_in_backward)."""
+    return getattr(unit, "unshard_in_backward", True)

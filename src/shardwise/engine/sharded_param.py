@@ -75,8 +75,7 @@ class ShardedParam:
 
         # How the module presents the shard ([Note: DTensor parameters]); None: plain.
         self.spec = (DT.spec_for(device_mesh, self.orig_shape, self.orig_dtype)
-                     if device_mesh is not None and shard_size > 1 and param.dim() > 0
-                     else None)
+                     if device_mesh is not None and param.dim() > 0 else None)
         if self.tp is not None and param.dim() > 0:
             self.spec = self.tp.sharded_spec(self.orig_dtype)
 
@@ -133,6 +132,8 @@ class ShardedParam:
             and len(self.orig_shape) > 0
             # Under TP the module computes with the TP DTensor, not the (dp, tp) shard.
             and self.tp is None
+            # A DTensor face (a one-rank mesh): forward computes with a plain tensor.
+            and self.spec is None
         )
         if self.direct:
             self._full_padded = padded

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import process_group as PG
-from .work import Work, all_gather_flat, done, handoff, issue, reduce_scatter_flat
+from .work import Issued, Work, all_gather_flat, done, handoff, issue, reduce_scatter_flat
 
 
 class Allocator(Protocol):
@@ -125,3 +125,68 @@ class AllToAllTransport(Transport):
 
 def transport_for(group: ProcessGroup | None) -> Transport:
     return AllToAllTransport(group) if use_all_to_all(group) else Transport(group)
+
+
+class CustomTransport(Transport):
+    """A unit's collectives through user objects of FSDP2's Comm protocol
+    (`set_custom_all_gather` / `set_custom_reduce_scatter`); the other kind stays `base`'s.
+
+    Each call allocates its output with the user's `allocate` and copies the result into the
+    engine's buffer when the work is waited for, so the user's object decides the memory
+    the collective itself writes, as in FSDP2.
+    """
+
+    name = "custom"
+
+    def __init__(self, base: Transport, all_gather: object | None = None,
+                 reduce_scatter: object | None = None) -> None:
+        prev = base if isinstance(base, CustomTransport) else None
+        self.base: Transport = prev.base if prev is not None else base
+        super().__init__(self.base.group)
+        self.size = self.base.size
+        self.ag = all_gather if all_gather is not None else (prev.ag if prev else None)
+        self.rs = reduce_scatter if reduce_scatter is not None else (prev.rs if prev else None)
+
+    def gather_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
+                      alloc: Allocator) -> torch.Tensor:
+        if self.ag is None:
+            return self.base.gather_buffer(numel, dtype, device, alloc)
+        return alloc.get(numel, dtype, device)
+
+    def all_gather(self, out: torch.Tensor, send: torch.Tensor, numel: int, async_op: bool,
+                   label: str = "") -> Work:
+        if self.ag is None:
+            return self.base.all_gather(out, send, numel, async_op, label)
+        comm = self.ag
+        shard = send[:numel]
+        result = comm.allocate((out.numel(),), dtype=out.dtype,  # type: ignore[attr-defined]
+                               device=out.device)
+        handle, issued = issue("all_gather", label, self.group, shard, lambda: comm(  # type: ignore[operator]
+            output_tensor=result, input_tensor=shard, group=self.group, async_op=async_op))
+        return _copied(handle, async_op, out, result, issued)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool,
+                       alloc: Allocator, label: str = "") -> Work:
+        if self.rs is None:
+            return self.base.reduce_scatter(out, full, async_op, alloc, label)
+        comm = self.rs
+        result = comm.allocate((out.numel(),), dtype=out.dtype,  # type: ignore[attr-defined]
+                               device=out.device)
+        handle, issued = issue("reduce_scatter", label, self.group, full, lambda: comm(  # type: ignore[operator]
+            output_tensor=result, input_tensor=full, group=self.group, op=dist.ReduceOp.SUM,
+            async_op=async_op))
+        return _copied(handle, async_op, out, result, issued)
+
+
+def _copied(handle: object, async_op: bool, out: torch.Tensor, result: torch.Tensor,
+            issued: Issued) -> Work:
+    def post() -> None:
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result.view(out.shape))
+
+    if not async_op or handle is None:
+        if handle is not None:
+            handle.wait()  # type: ignore[attr-defined]
+        post()
+        return Work(None, out, None, issued)
+    return Work(handle, out, post, issued)

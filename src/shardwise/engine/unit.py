@@ -9,15 +9,16 @@ the step schedule (schedule.py). How bytes move is the mesh's transport (transpo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from .context import ModelContext
+    from .state import ShardwiseState
 
 from . import collectives as C
 from .buffers import BufferPool
@@ -26,6 +27,7 @@ from .mesh import MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
+from .transport import Transport
 from .work import Work
 
 
@@ -89,10 +91,15 @@ class Unit:
         pool: BufferPool,
     ) -> None:
         self.module = module
+        # Every module this unit was made for: several for the list form of fully_shard.
+        self.modules: list[nn.Module] = [module]
         # FQN of the module within the root (filled in at lazy init; "" is the root).
         self.name = name
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        # FSDP2's reshard_after_forward=None: the root keeps its parameters after forward
+        # (backward starts there); an explicit value applies to the root too.
+        self.auto_reshard_after_forward = True
         self.mp = mp
         self.offload = offload
         self.pool = pool
@@ -108,6 +115,14 @@ class Unit:
         self.reshard_after_backward = True
         # Reduced gradients are divided by this (None: the data-parallel size, a mean).
         self.grad_divide_factor: float | None = None
+        # FSDP2 module methods (module_api.py, module_comm_api.py).
+        self.unshard_in_backward = True
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: object | None = None
+        # How bytes move: the mesh's, or user collectives (set_custom_all_gather).
+        self.transport: Transport = mesh.transport
+        self.state_view: ShardwiseState | None = None
         self._gathers: list[_PendingGather] = []
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
@@ -152,6 +167,13 @@ class Unit:
         return any(p.local_grad() is not None for g in self.buckets for p in g.grad_params)
 
     @property
+    def reshards_after_forward(self) -> bool:
+        """Whether forward frees the full parameters: FSDP2's rule, where the root keeps
+        them unless reshard_after_forward was given explicitly."""
+        return self.reshard_after_forward and not (self.is_root
+                                                   and self.auto_reshard_after_forward)
+
+    @property
     def label(self) -> str:
         """How errors and debug fingerprints name this unit's collectives."""
         return self.name or "<root>"
@@ -174,7 +196,7 @@ class Unit:
         """Issue the all-gather (idempotent: no-op unless SHARDED)."""
         if self.state is not ShardedState.SHARDED:
             return
-        S, transport = self.mesh.shard_size, self.mesh.transport
+        S, transport = self.mesh.shard_size, self.transport
         for g in self.buckets:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
@@ -308,7 +330,7 @@ class Unit:
                 complete = all(x is not None for x in grads)
                 if S > 1:
                     out = torch.empty(width, dtype=dtype, device=mesh.device)
-                    work = mesh.transport.reduce_scatter(out, send, True, self.pool,
+                    work = self.transport.reduce_scatter(out, send, True, self.pool,
                                                          label=self.label)
                     pending.append(PendingReduce(self, g, send, out, work, start, complete))
                 else:
@@ -341,8 +363,13 @@ class Unit:
         counts = None if pr.complete else out[n_grad:].tolist()
         # Sum then divide: the mean over ranks of each rank's mean loss gradient.
         factor = self.grad_divide_factor or mesh.dp_size
+        hook = self.all_reduce_hook
+        if hook is not None and self.force_sum_reduction:
+            self._run_hook(hook, out[:n_grad])  # FSDP2: the hook sees the sum, then divides
         if factor != 1:
             out[:n_grad].div_(factor)
+        if hook is not None and not self.force_sum_reduction:
+            self._run_hook(hook, out[:n_grad])
         with torch.no_grad():
             for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
                 if counts is not None and counts[i] == 0:
@@ -359,6 +386,17 @@ class Unit:
                         p.mark_reduced()
                 else:
                     have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+
+    def _run_hook(self, hook: Callable[[torch.Tensor], None], reduced: torch.Tensor) -> None:
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            hook(reduced)
+            return
+        dev: Any = torch.get_device_module(reduced.device)
+        stream.wait_stream(dev.current_stream())  # type: ignore[attr-defined]
+        with dev.stream(stream):
+            hook(reduced)
+        dev.current_stream().wait_stream(stream)
 
 
 def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:

@@ -9,8 +9,7 @@ holds the most (rank 0).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+import os
 
 import torch
 from torch import nn
@@ -34,10 +33,10 @@ from .profiles import (
     device_profile,
     interconnect_profile,
 )
-from .result import Alternative, PerRank, Plan
-from .shape import TransformerShape, coerce_shape, shape_of_model
+from .result import PerRank, Plan
+from .shape import TransformerShape, coerce_shape
 from .simulate import PhasePeaks, StepActivations, simulate
-from .units import units_of_count, units_of_model
+from .units import ModelUnits, model_units, resolve_model
 
 
 def _peak(peaks: PhasePeaks) -> int:
@@ -57,7 +56,8 @@ def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int,
 
 
 def plan(
-    model_or_param_count: nn.Module | int | float,
+    model_or_param_count: nn.Module | int | float | str | os.PathLike[str] | dict
+    | TransformerShape,
     *,
     world_size: int,
     sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
@@ -75,11 +75,14 @@ def plan(
     rank: int = 0,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    tp_embedding: bool = False,
 ) -> Plan:
     """Plan one training step of `model_or_param_count` on `world_size` ranks.
 
-    model_or_param_count: a model (build it on the meta device: nothing is allocated) or a
-      parameter count (planned as a GPT of `shape`, or of a guessed shape).
+    model_or_param_count: a model (build it on the meta device: nothing is allocated), a
+      Hugging Face config (a preset name such as "llama3-70b", a config.json path or folder,
+      or the config as a dict; planner/hf_config.py), a TransformerShape, or a parameter
+      count (planned as a GPT of `shape`, or of a guessed shape).
     batch_size: sequences per rank per step; with seq_len, enables activations and time.
     device / interconnect: profiles (names in planner.profiles, or calibrated ones); the
       device enables `fits`, the largest batch and time. `interconnect` links the nodes;
@@ -91,11 +94,16 @@ def plan(
       ranks; planner/tp.py). TP groups are placed inside a node when t <= ranks_per_node.
     sequence_parallel: with TP, the residual stream (norms, block inputs) split by sequence
       across the TP group; all-gather + reduce-scatter replace each all-reduce.
+    tp_embedding: with TP, the embedding and output head split across the TP group too
+      (torchtitan's plan, loss parallel); default: whole on every TP rank, as
+      `shardwise train --parallel.tp` runs it.
 
     A model with a context length (a GPT preset, a Hugging Face config) is planned for
     batch 1 at that length unless told otherwise (a note says so); without a sequence
     length the verdict is "model states fit; activations unknown", never a bare "fits".
-    A plan that does not fit lists `alternatives`, each with its resulting total.
+    A plan that does not fit lists `alternatives`: changes that make it fit, cheapest
+    first, each with its total and step time (planner/suggest.py). An option the plan
+    does not use for this configuration says so in a note.
     """
     args = dict(world_size=world_size, sharding_strategy=sharding_strategy,
                 auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
@@ -103,52 +111,47 @@ def plan(
                 seq_len=seq_len, activation_checkpointing=activation_checkpointing,
                 device=device, interconnect=interconnect, shape=shape,
                 ranks_per_node=ranks_per_node, rank=rank, tensor_parallel=tensor_parallel,
-                sequence_parallel=sequence_parallel)
-    p = _plan_one(model_or_param_count, **args)
+                sequence_parallel=sequence_parallel, tp_embedding=tp_embedding)
+    what = model_or_param_count
+    if not isinstance(what, (nn.Module, int, float)):  # read a config once, not per plan
+        what = resolve_model(what, shape)
+    p = plan_one(what, **args)
     if p.fits is False:
-        p = dataclasses.replace(p, alternatives=_alternatives(model_or_param_count, args, p))
+        from .suggest import MAX_WORLD, alternatives
+
+        alts = alternatives(what, args, p, plan_one)
+        notes = p.notes if alts else (*p.notes, (
+            "nothing fits: no combination of up to three of bf16, activation checkpointing, "
+            "a smaller micro-batch, tensor parallelism, another strategy, more ranks (up to "
+            f"{MAX_WORLD:,}) and CPU offload brings the step under the device's memory"))
+        p = dataclasses.replace(p, alternatives=alts, notes=notes)
     return p
 
 
-def _alternatives(what: Any, args: dict[str, Any], p: Plan) -> tuple[Alternative, ...]:
-    """Each change alone: checkpointing, more ranks, another strategy, offload, a smaller
-    batch (those that apply and lower the total), with the total each gives."""
-    out: list[Alternative] = []
-
-    def attempt(change: str, **kw: Any) -> Plan | None:
-        try:
-            q = _plan_one(what, **{**args, **kw})
-        except ValueError:  # e.g. HYBRID_SHARD where the node size does not divide
-            return None
-        out.append(Alternative(change, q.per_rank.total_bytes, q.fits))
-        return q
-
-    if not args["activation_checkpointing"] and p.per_rank.activations_bytes:
-        attempt("activation checkpointing", activation_checkpointing=True)
-    if p.shard_size > 1 or p.sharding_strategy == "FULL_SHARD":
-        for k in (2, 4, 8, 16, 32, 64):  # the fewest ranks that fit (doubling)
-            try:
-                q = _plan_one(what, **{**args, "world_size": args["world_size"] * k})
-            except ValueError:
-                break
-            if q.fits or k == 64:
-                out.append(Alternative(f"world_size={q.world_size}", q.per_rank.total_bytes,
-                                       q.fits))
-                break
-    for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
-        if strategy != p.sharding_strategy:
-            attempt(strategy, sharding_strategy=strategy)
-    if not p.cpu_offload and p.device is not None and args["device"] != "cpu":
-        attempt("CPU offload", cpu_offload=True)
-    if p.batch_size and p.batch_size > 1:
-        b = max(p.max_batch_size or 1, 1)
-        attempt(f"batch_size={b}", batch_size=b)
-    # Only what helps (HYBRID_SHARD holds more than FULL_SHARD, for one).
-    return tuple(a for a in out if a.total_bytes < p.per_rank.total_bytes)
+def _unused(interconnect: object, dev: DeviceProfile | None, world: int, per_node: int,
+            offload: bool, tp: int, sp: bool, tp_embedding: bool) -> list[str]:
+    """One line for each option this configuration does not use (none is silently
+    ignored)."""
+    out = []
+    if interconnect is not None and world <= per_node:
+        name = getattr(interconnect, "name", interconnect)
+        link = f" ({dev.intra_node})" if dev is not None else ""
+        out.append(f"interconnect={name!r} is unused: all {world} ranks fit in one node "
+                   f"({per_node} per node), linked by the device's own interconnect{link}")
+    if offload and dev is not None and dev.is_cpu:
+        out.append("cpu_offload is unused: the device is the host itself, nothing moves")
+    elif offload and dev is None:
+        out.append("cpu_offload without a device: model states counted as host memory, as "
+                   "from a GPU; pass device= to check what the device holds")
+    for name, on in (("sequence_parallel", sp), ("tp_embedding", tp_embedding)):
+        if on and tp == 1:
+            out.append(f"{name} is unused: it needs tensor_parallel > 1")
+    return out
 
 
-def _plan_one(
-    model_or_param_count: nn.Module | int | float,
+def plan_one(
+    model_or_param_count: nn.Module | int | float | str | os.PathLike[str] | dict
+    | TransformerShape | ModelUnits,
     *,
     world_size: int,
     sharding_strategy: str | ShardingStrategy,
@@ -166,8 +169,12 @@ def _plan_one(
     rank: int,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    tp_embedding: bool = False,
+    search_batch: bool = True,
 ) -> Plan:
+    """One plan, without alternatives (`search_batch`: bisect the largest batch)."""
     check_int("world_size", world_size, minimum=1)
+    check_bool("tp_embedding", tp_embedding)
     check_bool("sequence_parallel", sequence_parallel)
     tp = tensor_parallel
     TP.check_tp(tp, world_size, None)
@@ -186,21 +193,12 @@ def _plan_one(
     if interconnect is not None:
         interconnect_profile(interconnect, dev)  # an unknown name fails here, device or not
     shape = coerce_shape(shape)
-
-    if isinstance(model_or_param_count, nn.Module):
-        mu = units_of_model(model_or_param_count, auto_wrap_policy,
-                            shape or shape_of_model(model_or_param_count))
-    elif isinstance(model_or_param_count, (int, float)) and not isinstance(
-            model_or_param_count, bool) and 1 <= model_or_param_count < math.inf:
-        mu = units_of_count(int(round(model_or_param_count)), shape, auto_wrap_policy)
-    else:
-        raise ValueError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module "
-                         "(ideally on the meta device) or a positive parameter count")
+    mu = model_units(model_or_param_count, auto_wrap_policy, shape)
     # TP: plan one rank of the dp group with 1/tp of each block ([planner/tp.py]).
     full_world, total_params = world_size, mu.numel
     if tp > 1:
         TP.check_tp(tp, world_size, mu.shape)
-        mu = TP.split_units(mu, tp, sequence_parallel)
+        mu = TP.split_units(mu, tp, sequence_parallel, tp_embedding)
         world_size, rank = world_size // tp, rank // tp
 
     # A CPU "device" is this host: every rank on it, unless told otherwise.
@@ -218,7 +216,7 @@ def _plan_one(
     act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32
     act_bytes = torch.empty((), dtype=act_dtype, device="meta").element_size()
     notes = list(mu.notes)
-    context = mu.shape.max_seq_len if mu.shape is not None else 0
+    context = mu.shape.context_length if mu.shape is not None else 0
     if seq_len is None and context:
         seq_len = context
         if batch_size is None:
@@ -230,6 +228,8 @@ def _plan_one(
     if host_offload:
         notes.append("CPU offload: parameters, gradients and optimizer state live in host "
                      "memory (host_bytes); the device holds gathered units and activations")
+    notes += _unused(interconnect, dev, full_world, phys_per_node, offload, tp,
+                     sequence_parallel, tp_embedding)
 
     def peaks_for(batch: int | None) -> tuple[PhasePeaks, StepActivations | None]:
         tokens = batch * seq_len if (batch and seq_len) else None
@@ -282,7 +282,7 @@ def _plan_one(
             verdict = "model states fit; activations unknown"
         else:
             fits, verdict = False, "does not fit, even without activations"
-        if seq_len and mu.shape is not None:
+        if seq_len and mu.shape is not None and search_batch:
             max_batch = largest_batch(lambda b: _peak(peaks_for(b)[0]) <= usable)
 
     colls = T.collectives(costs, shard_size=S, replicate_size=R, reshard_after_forward=reshard,

@@ -79,10 +79,10 @@ def table(p: Plan) -> list[str]:
     if r.host_bytes:
         out.append(f"  {'host memory (CPU offload)':<40} {size(r.host_bytes):>11}")
     if p.alternatives:
-        out.append("  what would fit instead (each alone; total per rank):")
+        out.append("  what would fit instead (cheapest change first; total per rank, step):")
         for a in p.alternatives:
-            mark = {True: "fits", False: "does not fit", None: "activations unknown"}[a.fits]
-            out.append(f"    {a.change:<38} {size(a.total_bytes):>11}  {mark}")
+            step = secs(a.step_s) if a.step_s is not None else "-"
+            out.append(f"    {a.change:<58} {size(a.total_bytes):>11} {step:>9}")
     c = p.comm
     out.append(f"  sent per rank per step: {size(c.sent_bytes)} (all-gather "
                f"{size(c.all_gather_bytes)}, reduce-scatter {size(c.reduce_scatter_bytes)}, "

@@ -35,11 +35,12 @@ class PerRank:
 
 @dataclass(frozen=True)
 class Alternative:
-    """One change that makes a plan that does not fit smaller, and its result."""
+    """A change that makes a plan that does not fit, fit (planner/suggest.py)."""
 
-    change: str  # e.g. "activation checkpointing", "world_size=16", "CPU offload"
+    change: str  # e.g. "bf16 mixed precision + activation checkpointing", "world_size=16"
     total_bytes: int
     fits: bool | None
+    step_s: float | None = None  # the optimizer step's time with the change (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Plan:
     device: str | None
     interconnect: str | None
     units: int
-    shape: dict[str, int] | None
+    shape: dict[str, int | str | bool] | None
     per_rank: PerRank
     comm: T.CommVolume
     time: TimeEstimate | None

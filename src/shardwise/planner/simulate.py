@@ -92,6 +92,8 @@ class _SimUnit:
         self.training_state = TrainingState.IDLE
         self.is_root = i == 0
         self.reshard_after_forward = reshard_after_forward
+        # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
+        self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
         self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unreduced = False  # full gradients exist that were not reduced yet

@@ -39,12 +39,8 @@ class TPRankShape(TransformerShape):
     tp: int = 1
     # Sequence parallelism: the residual stream's tensors split by sequence across tp.
     sp: int = 0
-
-    def __post_init__(self) -> None:
-        base = {k: v for k, v in self.to_dict().items() if k not in ("tp", "sp")}
-        TransformerShape(**base)  # the base checks
-        if not self.ffn_dim:
-            object.__setattr__(self, "ffn_dim", 4 * self.d_model)
+    # The output head split across tp too (loss parallel): its FLOPs and logits divide.
+    tp_head: int = 0
 
     def _stream(self) -> int:
         """How many ways the residual stream is split (1 without sequence parallelism)."""
@@ -59,18 +55,32 @@ class TPRankShape(TransformerShape):
     def attention_flops_per_token(self, seq_len: int) -> float:
         return super().attention_flops_per_token(seq_len) / self.tp  # heads are split
 
+    def root_flops_per_token(self) -> float:
+        return super().root_flops_per_token() / (self.tp if self.tp_head else 1)
+
     def block_activation_bytes(self, act_bytes: int) -> int:
-        d, f = self.d_model, self.ffn_dim
         # norm1 in/out, norm2 in/out: the residual stream, whole on every TP rank unless
         # sequence parallelism splits it
-        whole = 4 * d // self._stream()
-        split = (3 * d + d + 2 * f) // self.tp  # qkv, attention output, MLP hidden x 2
+        whole = 4 * self.d_model // self._stream()
+        # q, k, v, attention output and the MLP's hidden tensors: split with the heads and
+        # the hidden units (the router's logits too, approximately)
+        split = (self.attention_saved_elems() + self.mlp_saved_elems()) // self.tp
         stats = 2 * 2 * act_bytes
         lse = self.n_heads // self.tp * FP32
         return (whole + split) * act_bytes + stats + lse
 
     def block_backward_transient_bytes(self, act_bytes: int) -> int:
-        return (self.d_model + 2 * self.ffn_dim // self.tp) * act_bytes
+        hidden = self.mlp_matrices * self.active_experts * self.ffn_dim // self.tp
+        return (self.d_model + hidden) * act_bytes
+
+    def root_activation_bytes(self, act_bytes: int) -> int:
+        if not self.tp_head:
+            return super().root_activation_bytes(act_bytes)
+        logits = self.vocab_size * FP32
+        return super().root_activation_bytes(act_bytes) - logits + logits // self.tp
+
+    def root_transient_bytes(self, act_bytes: int) -> int:
+        return super().root_transient_bytes(act_bytes) // (self.tp if self.tp_head else 1)
 
 
 def check_tp(tp: int, world: int, shape: TransformerShape | None) -> None:
@@ -81,29 +91,75 @@ def check_tp(tp: int, world: int, shape: TransformerShape | None) -> None:
         raise ValueError(f"tensor_parallel={tp} must divide world_size={world}; allowed: "
                          f"{[k for k in range(1, world + 1) if world % k == 0]}")
     if shape is not None:
-        for name, n in (("n_heads", shape.n_heads), ("d_model", shape.d_model),
-                        ("ffn_dim", shape.ffn_dim)):
+        for name, n in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads),
+                        ("d_model", shape.d_model), ("ffn_dim", shape.ffn_dim)):
             if n % tp:
                 raise ValueError(f"tensor_parallel={tp} must divide the model's {name}={n}")
 
 
-def _split(p: ParamSpec, tp: int) -> ParamSpec:
-    if len(p.shape) < 2:
-        return p  # norm gains (and 1-D leftovers) stay whole on every TP rank
-    return replace(p, shape=(-(-p.shape[0] // tp), *p.shape[1:]))
+# Megatron's plan by the projection's name: colwise layers split their outputs (a weight's
+# rows, and its bias), rowwise layers their inputs (a weight's columns; the bias, added
+# after the all-reduce, stays whole). Names of our GPT, Hugging Face's Llama family
+# (Mixtral's fused experts included) and GPT-2, whose Conv1D stores weights transposed.
+COLWISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w_qkv", "w_in", "w1", "w3",
+           "gate_up_proj", "gate_up_proj_bias", "c_attn", "c_fc", "query_key_value",
+           "dense_h_to_4h", "other"}
+ROWWISE = {"o_proj", "down_proj", "w_out", "w2", "c_proj", "dense", "dense_4h_to_h"}
+TRANSPOSED = {"c_attn", "c_fc", "c_proj"}  # GPT-2's Conv1D: (in, out)
 
 
-def split_units(mu: ModelUnits, tp: int, sequence_parallel: bool = False) -> ModelUnits:
-    """Each block unit's matrices divided by `tp`; the root (embedding, head) whole."""
+def tp_dim(name: str, shape: tuple[int, ...], root: bool, vocab: int | None,
+           tp_embedding: bool) -> int | None:
+    """The dim TP splits this parameter along (None: whole on every TP rank).
+
+    Blocks: colwise projections by their output rows, rowwise by their input columns,
+    norms and the router whole; any other matrix (a model we cannot name) is split too.
+    The root: the embedding and the output head (the tables with `vocab` rows) only when
+    the plan splits them (`tp_embedding`: torchtitan's plan, with a loss-parallel
+    cross-entropy); the position table and the final norm always whole.
+    """
+    if not shape:
+        return None
+    if root:
+        return 0 if tp_embedding and len(shape) == 2 and shape[0] == vocab else None
+    parts = name.split(".")
+    layer = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+    is_bias = parts[-1] == "bias" or layer.endswith("_bias")
+    out_dim, in_dim = (-1, -2) if layer in TRANSPOSED else (-2, -1)
+    if layer in COLWISE:
+        return len(shape) - 1 if is_bias or len(shape) == 1 else len(shape) + out_dim
+    if layer in ROWWISE:
+        return None if is_bias or len(shape) == 1 else len(shape) + in_dim
+    if layer == "gate" or len(shape) < 2:
+        return None  # the MoE router (replicated), norms and other vectors
+    return 0  # an unnamed matrix: split (its count is right whichever dim it is)
+
+
+def _split(p: ParamSpec, dim: int | None, tp: int) -> ParamSpec:
+    if dim is None:
+        return p
+    shape = list(p.shape)
+    shape[dim] = -(-shape[dim] // tp)
+    return replace(p, shape=tuple(shape))
+
+
+def split_units(mu: ModelUnits, tp: int, sequence_parallel: bool = False,
+                tp_embedding: bool = False) -> ModelUnits:
+    """Each block unit's matrices divided by `tp` (planner/tp.py's `tp_dim`); the root's
+    embedding and head too with `tp_embedding`."""
+    vocab = mu.shape.vocab_size if mu.shape is not None else None
     units = tuple(
-        u if u.head else PlanUnit(UnitSpec(u.spec.name, tuple(_split(p, tp)
-                                                             for p in u.spec.params)),
-                                  u.layers, u.head)
+        PlanUnit(UnitSpec(u.spec.name, tuple(
+            _split(p, tp_dim(p.fqn, p.shape, u.head, vocab, tp_embedding), tp)
+            for p in u.spec.params)), u.layers, u.head)
         for u in mu.units)
-    shape = (TPRankShape(**mu.shape.to_dict(), tp=tp, sp=int(sequence_parallel))
+    shape = (TPRankShape(**mu.shape.to_dict(), tp=tp, sp=int(sequence_parallel),
+                         tp_head=int(tp_embedding))
              if mu.shape is not None else None)
-    note = (f"tensor parallel {tp}: block matrices split {tp} ways (Megatron plan), "
-            "embedding, head and norms whole on every TP rank; FSDP shards over the rest"
+    where = "embedding and head split too (loss parallel)" if tp_embedding else \
+        "embedding, head and norms whole on every TP rank"
+    note = (f"tensor parallel {tp}: block matrices split {tp} ways (Megatron plan), {where}; "
+            "FSDP shards over the rest"
             + ("; sequence parallel: the residual stream split by sequence" if sequence_parallel
                else ""))
     return replace(mu, units=units, shape=shape, notes=(*mu.notes, note))

@@ -8,6 +8,8 @@ parameter shapes `shardwise.train.model.GPT` declares.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 
 from ..engine.policies import WrapPolicyLike, find_block_classes, resolve_wrap_policy
 from ..engine.wrap import ParamSpec, UnitSpec, assign_params, wrap_targets
-from .shape import TransformerShape
+from .shape import TransformerShape, shape_of_model
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,70 @@ def units_of_model(model: nn.Module, policy: WrapPolicyLike,
     return ModelUnits(units, buffers, shape, tuple(notes))
 
 
-def _gpt_block_params(prefix: str, s: TransformerShape) -> tuple[ParamSpec, ...]:
-    d, f, fp32 = s.d_model, s.ffn_dim, torch.float32
-    shapes = {
-        "norm1.weight": (d,), "attn.w_qkv": (3 * d, d), "attn.w_out": (d, d),
-        "norm2.weight": (d,), "mlp.w_in": (f, d), "mlp.w_out": (d, f),
-    }
-    return tuple(ParamSpec(f"{prefix}.{k}", v, fp32, True) for k, v in shapes.items())
+def _is_gpt(s: TransformerShape) -> bool:
+    """The block of `shardwise.train.model.GPT`: fused qkv, GELU MLP, no biases."""
+    return (s.mlp == "gelu" and s.n_kv_heads == s.n_heads and s.q_dim == s.d_model
+            and not (s.qkv_bias or s.out_bias or s.mlp_bias or s.norm_bias or s.n_experts))
+
+
+def block_param_shapes(s: TransformerShape) -> dict[str, tuple[int, ...]]:
+    """One block's parameters by name, as the model declares them. Names follow the
+    model's own (our GPT's, else Hugging Face's Llama/Mixtral), so the TP plan
+    (planner/tp.py) splits them as it would split the real model's."""
+    d, f, q, kv = s.d_model, s.ffn_dim, s.q_dim, s.kv_dim
+    if _is_gpt(s):
+        return {"norm1.weight": (d,), "attn.w_qkv": (3 * d, d), "attn.w_out": (d, d),
+                "norm2.weight": (d,), "mlp.w_in": (f, d), "mlp.w_out": (d, f)}
+    out: dict[str, tuple[int, ...]] = {}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{norm}.weight"] = (d,)
+        if s.norm_bias:
+            out[f"{norm}.bias"] = (d,)
+    for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out[f"self_attn.{name}.weight"] = (rows, d)
+        if s.qkv_bias:
+            out[f"self_attn.{name}.bias"] = (rows,)
+    out["self_attn.o_proj.weight"] = (d, q)
+    if s.out_bias:
+        out["self_attn.o_proj.bias"] = (d,)
+    up = (s.mlp_matrices - 1) * f  # gate and up stacked, or up alone
+    if s.n_experts:
+        E = s.n_experts
+        out["mlp.gate.weight"] = (E, d)  # the router
+        out["mlp.experts.gate_up_proj"] = (E, up, d)
+        out["mlp.experts.down_proj"] = (E, d, f)
+        if s.mlp_bias:
+            out["mlp.experts.gate_up_proj_bias"] = (E, up)
+            out["mlp.experts.down_proj_bias"] = (E, d)
+        return out
+    names = ("gate_proj", "up_proj") if s.mlp == "gated" else ("up_proj",)
+    for name in names:
+        out[f"mlp.{name}.weight"] = (f, d)
+        if s.mlp_bias:
+            out[f"mlp.{name}.bias"] = (f,)
+    out["mlp.down_proj.weight"] = (d, f)
+    if s.mlp_bias:
+        out["mlp.down_proj.bias"] = (d,)
+    return out
+
+
+def root_param_shapes(s: TransformerShape) -> dict[str, tuple[int, ...]]:
+    """The root unit's parameters: embedding, position table, final norm, untied head."""
+    d = s.d_model
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (s.vocab_size, d)}
+    if s.max_seq_len:
+        out["wpe.weight"] = (s.max_seq_len, d)
+    out["norm.weight"] = (d,)
+    if s.norm_bias:
+        out["norm.bias"] = (d,)
+    if not s.tied:
+        out["lm_head.weight"] = (s.vocab_size, d)
+    return out
+
+
+def _specs(prefix: str, shapes: dict[str, tuple[int, ...]]) -> tuple[ParamSpec, ...]:
+    pre = f"{prefix}." if prefix else ""
+    return tuple(ParamSpec(pre + k, v, torch.float32, True) for k, v in shapes.items())
 
 
 def synthetic_shape(params: int) -> TransformerShape:
@@ -131,17 +190,14 @@ def units_of_count(params: int, shape: TransformerShape | None,
     if extra < 0:
         raise ValueError(f"params={params:,} is smaller than the shape's own "
                          f"{shape.params():,} parameters ({shape})")
-    d, fp32 = shape.d_model, torch.float32
-    root_params = [ParamSpec("wte", (shape.vocab_size, d), fp32, True)]
-    if shape.max_seq_len:
-        root_params.append(ParamSpec("wpe", (shape.max_seq_len, d), fp32, True))
-    root_params.append(ParamSpec("norm.weight", (d,), fp32, True))
-    blocks = [_gpt_block_params(f"blocks.{i}", shape) for i in range(shape.n_layers)]
+    root_params = _specs("", root_param_shapes(shape))
+    one_block = block_param_shapes(shape)
+    blocks = [_specs(f"blocks.{i}", one_block) for i in range(shape.n_layers)]
     L = shape.n_layers
     for i in range(L):
         share = extra // L + (1 if i < extra % L else 0)
-        if share:
-            blocks[i] += (ParamSpec(f"blocks.{i}.other", (share,), fp32, True),)
+        if share:  # taken to be matmul weights: TP splits them too (planner/tp.py)
+            blocks[i] += (ParamSpec(f"blocks.{i}.other", (share,), torch.float32, True),)
     if extra > 0.02 * params:
         notes.append(f"{extra:,} parameters beyond the shape's {shape.params():,} are "
                      "spread over the blocks")
@@ -152,3 +208,41 @@ def units_of_count(params: int, shape: TransformerShape | None,
         flat = tuple(root_params) + tuple(p for b in blocks for p in b)
         units = [PlanUnit(UnitSpec("", flat), shape.n_layers, True)]
     return ModelUnits(tuple(units), 0, shape, tuple(notes))
+
+
+def resolve_model(what: object, shape: TransformerShape | None) -> object:
+    """A Hugging Face config (preset name, path or dict) read into its TransformerShape;
+    anything else as it is."""
+    if not isinstance(what, nn.Module) and hasattr(what, "model_type") and callable(
+            getattr(what, "to_dict", None)):
+        what = what.to_dict()  # a transformers PretrainedConfig
+    if isinstance(what, (str, os.PathLike, dict)):
+        from .hf_config import load_shape
+
+        if shape is not None:
+            raise ValueError(f"shape={shape!r}: a config carries its own shape; pass shape= "
+                             "only with a bare parameter count")
+        try:
+            return load_shape(what)[0]
+        except ValueError as e:
+            raise ValueError(f"model_or_param_count={what!r}: {e}") from None
+    return what
+
+
+def model_units(what: object, policy: WrapPolicyLike,
+                shape: TransformerShape | None) -> ModelUnits:
+    """The units of a model, a config, a shape or a bare parameter count."""
+    what = resolve_model(what, shape)
+    if isinstance(what, ModelUnits):
+        return what
+    if isinstance(what, nn.Module):
+        return units_of_model(what, policy, shape or shape_of_model(what))
+    if isinstance(what, TransformerShape):
+        if shape is not None and shape != what:
+            raise ValueError(f"shape={shape!r}: the model is already a TransformerShape")
+        return units_of_count(what.params(), what, policy)
+    if isinstance(what, (int, float)) and not isinstance(what, bool) and 1 <= what < math.inf:
+        return units_of_count(int(round(what)), shape, policy)
+    raise ValueError(f"model_or_param_count={what!r} must be an nn.Module (ideally on the "
+                     "meta device), a Hugging Face config (a preset name, a config.json path "
+                     "or a dict), a TransformerShape or a positive parameter count")

@@ -152,7 +152,7 @@ class BatchStream:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, rank: int,
                  world: int, seed: int, device: torch.device | str = "cpu") -> None:
-        self.windows = windows(tokens, seq_len)
+        self.windows = self._windows(tokens, seq_len)
         self.batch_size = batch_size  # per rank
         self.rank, self.world = rank, world
         self.seed = seed
@@ -161,6 +161,14 @@ class BatchStream:
         self.epoch = 0
         self.index = 0  # next window of this epoch's order
         self._order = self._epoch_order(0)
+
+    def _windows(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """One row per window (a subclass may index its windows another way)."""
+        return windows(tokens, seq_len)
+
+    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows `idx`."""
+        return _to_batch(self.windows[idx], self.device)
 
     @property
     def global_batch(self) -> int:
@@ -178,9 +186,9 @@ class BatchStream:
             self.index = 0
             self._order = self._epoch_order(self.epoch)
         mine = self.index + self.rank * self.batch_size
-        rows = self.windows[self._order[mine : mine + self.batch_size]]
+        idx = self._order[mine : mine + self.batch_size]
         self.index += self.global_batch
-        return _to_batch(rows, self.device)
+        return self._batch(idx)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}

@@ -8,6 +8,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.engine.dtensor import local_of
@@ -22,7 +23,8 @@ from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blo
 
 
 def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
-                 reshard_after_forward: bool = True) -> tuple[Transformer, torch.Tensor]:
+                 reshard_after_forward: bool | None = True
+                 ) -> tuple[Transformer, torch.Tensor]:
     torch.manual_seed(42)
     args = ModelArgs(n_layers=n_layers, checkpoint_activations=checkpoint_impl == "utils")
     model = Transformer(args)
@@ -35,9 +37,11 @@ def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
     return model, torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=g)
 
 
-def communication_count(rank: int, world: int, ex: Expect, reshard_after_forward: bool) -> None:
+def communication_count(rank: int, world: int, ex: Expect,
+                        reshard_after_forward: bool | None) -> None:
     """Forward: one all-gather per unit. Backward: one reduce-scatter per unit, and an
-    all-gather per resharded block (the root keeps its parameters, docs/design.md)."""
+    all-gather per resharded unit: with None (FSDP2's default) the root keeps its
+    parameters; an explicit True reshards the root too, as torch 2.13's FSDP2 does."""
     model, inp = _transformer(reshard_after_forward=reshard_after_forward)
     blocks = len(transformer_blocks(model))
     for it in range(2):
@@ -47,7 +51,7 @@ def communication_count(rank: int, world: int, ex: Expect, reshard_after_forward
                 f"iter {it}: forward issued {[r[:2] for r in fwd]}")
         with record_collectives() as bwd:
             loss.sum().backward()
-        ag = blocks if reshard_after_forward else 0
+        ag = {None: blocks, True: blocks + 1, False: 0}[reshard_after_forward]
         ex.true(count(bwd, "all_gather") == ag,
                 f"iter {it}: backward all-gathers {count(bwd, 'all_gather')}, expected {ag}")
         ex.true(count(bwd, "reduce_scatter") == blocks + 1,
@@ -74,18 +78,21 @@ def manual_reshard_with_reshard_after_forward_false(rank: int, world: int, ex: E
             f"backward reduce-scatters {count(bwd, 'reduce_scatter')}, expected {units}")
 
 
-def backward_prefetch(rank: int, world: int, ex: Expect, reshard_after_forward: bool,
+def backward_prefetch(rank: int, world: int, ex: Expect, reshard_after_forward: bool | None,
                       checkpoint_impl: str) -> None:
     """In backward, the previous block's all-gather is issued before the current block's
     reduce-scatter (upstream's expected event order); activation checkpointing changes
-    nothing about it."""
+    nothing about it. An explicit reshard_after_forward resharded the root too: it
+    gathers first."""
     impl = None if checkpoint_impl == "none" else checkpoint_impl
     model, inp = _transformer(3, impl, reshard_after_forward)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ag, rs = "all_gather", "reduce_scatter"
     expected = [(ag, "layers.2"), (ag, "layers.1"), (rs, "layers.2"), (ag, "layers.0"),
                 (rs, "layers.1"), (rs, "layers.0"), (rs, "<root>")]
-    if not reshard_after_forward:
+    if reshard_after_forward is True:
+        expected.insert(0, (ag, "<root>"))
+    if reshard_after_forward is False:
         expected = [e for e in expected if e[0] != ag]
     for it in range(3):
         loss = model(inp)
@@ -128,7 +135,9 @@ def singleton_no_division(rank: int, world: int, ex: Expect) -> None:
     model = nn.Linear(8, 4, bias=False)
     sw.fully_shard(model)
     model(torch.ones(3, 8)).sum().backward()
-    ex.close(model.weight.grad, torch.full((4, 8), 3.0), "weight grad")
+    # A one-rank mesh still gives DTensor parameters and gradients, as FSDP2's does.
+    ex.true(isinstance(model.weight.grad, DTensor), "one rank: the gradient is a DTensor")
+    ex.close(local_of(model.weight.grad), torch.full((4, 8), 3.0), "weight grad")
 
 
 def size1_reduceop(rank: int, world: int, ex: Expect) -> None:
@@ -148,4 +157,30 @@ def size1_reduceop(rank: int, world: int, ex: Expect) -> None:
             if m is ref:
                 ref_loss = loss
         ex.close(loss, ref_loss, f"iter {it}: loss")
-        ex.close(model.bias.grad, ref.bias.grad, f"iter {it}: bias grad")
+        ex.close(local_of(model.bias.grad), ref.bias.grad, f"iter {it}: bias grad")
+
+
+def set_reshard_after_forward_counts(rank: int, world: int, ex: Expect,
+                                     set_reshard_after_forward: bool | None,
+                                     recurse: bool) -> None:
+    """Upstream's test_set_reshard_after_forward: built with the opposite value, then set
+    at run time (on the root only with recurse=False); the backward all-gathers follow."""
+    raf = None if set_reshard_after_forward is None else not set_reshard_after_forward
+    model, inp = _transformer(reshard_after_forward=raf)
+    blocks = len(transformer_blocks(model))
+    if set_reshard_after_forward is not None:
+        model.set_reshard_after_forward(set_reshard_after_forward, recurse=recurse)
+    with record_collectives() as fwd:
+        loss = model(inp)
+    ex.true(count(fwd, "all_gather") == blocks + 1, f"forward issued {fwd}")
+    with record_collectives() as bwd:
+        loss.sum().backward()
+    if set_reshard_after_forward is None:
+        ag = blocks
+    elif set_reshard_after_forward:
+        ag = blocks + 1 if recurse else 1
+    else:
+        ag = 0 if recurse else blocks
+    ex.true(count(bwd, "all_gather") == ag,
+            f"backward all-gathers {count(bwd, 'all_gather')}, expected {ag}")
+    ex.true(count(bwd, "reduce_scatter") == blocks + 1, "one reduce-scatter per unit")

@@ -127,3 +127,36 @@ def rank0_offload_full_state_dict(rank: int, world: int, ex: Expect) -> None:
         if k in sd:
             ex.true(sd[k].device.type == "cpu", f"{k} on {sd[k].device}")
             ex.close(sd[k], v, k)
+
+
+def dp_state_dict_dtensors(rank: int, world: int, ex: Expect) -> None:
+    """Upstream's DTensor half of test_dp_state_dict_save_load: `model.state_dict()` values
+    are DTensors sharing storage with the sharded parameters, even right after a forward
+    that kept the parameters (FSDP2's state-dict hooks reshard first); loading that state
+    dict into a fresh sharded model gives the same values."""
+    from torch.distributed.tensor import DTensor
+
+    for dim in (2, 3, 4, 5):
+        base = _base(dim)
+        for raf in (None, True, False):
+            model = copy.deepcopy(base)
+            for m in [*model, model]:
+                sw.fully_shard(m, reshard_after_forward=raf)
+            model(torch.randn(2, dim))  # a forward with no backward
+            sd = model.state_dict()
+            params = dict(model.named_parameters())
+            what = f"dim {dim}, reshard_after_forward={raf}"
+            for k, v in sd.items():
+                ex.true(isinstance(v, DTensor), f"{what}: {k} is a {type(v).__name__}")
+                if not isinstance(v, DTensor):
+                    continue
+                p = params[k]
+                ex.true(isinstance(p, DTensor) and v.to_local().data_ptr()
+                        == p.to_local().data_ptr(), f"{what}: {k} does not share storage")
+                ex.close(v.full_tensor(), base.state_dict()[k], f"{what}: {k}")
+            fresh = copy.deepcopy(_base(dim))
+            for m in [*fresh, fresh]:
+                sw.fully_shard(m)
+            fresh.load_state_dict(sd)
+            for k, v in sw.full_state_dict(fresh).items():
+                ex.close(v, base.state_dict()[k], f"{what}: {k} loaded from DTensors")

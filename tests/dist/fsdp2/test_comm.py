@@ -5,10 +5,12 @@ its parameters from forward to backward (FSDP2's default, `reshard_after_forward
 the root). Upstream's backward event order (unshard/post_backward) is checked as the order of
 all-gathers and reduce-scatters.
 
-Left out, needs issue 14 (DTensor/FSDP2 API): reshard_after_forward=2/None;
-test_set_reduce_scatter_divide_factor, test_singleton_copy_division's divide_factor values
-(set_gradient_divide_factor); test_set_reduce_scatter_max_input_buffers*,
-test_reduce_scatter_max_input_buffers_resolves_to_max; test_set_reshard_after_forward;
+reshard_after_forward=None is FSDP2's default (the root keeps its parameters); an explicit
+True reshards the root too (torch 2.13), and test_set_reshard_after_forward is ported.
+Left out: reshard_after_forward=2 (refused: see docs/porting.md);
+test_set_reduce_scatter_divide_factor (ported as tests/dist/fsdp2_identity_workers.py's
+divide-factor case); test_set_reduce_scatter_max_input_buffers*,
+test_reduce_scatter_max_input_buffers_resolves_to_max (accepted, no per-module buffers);
 test_set_modules_to_forward_prefetch, test_set_modules_to_backward_prefetch*,
 test_backward_misprefetch (explicit prefetch lists); test_fully_shard_multi_module_*
 (fully_shard on a list); _test_backward_prefetch_unused_in_backward (set_is_last_backward);
@@ -32,10 +34,13 @@ BOOLS = [True, False]
 
 CASES: list[Case] = [
     *grid("fully_shard_communication_count", W.communication_count,
-          reshard_after_forward=BOOLS),
+          reshard_after_forward=[True, False, None]),
+    *grid("set_reshard_after_forward", W.set_reshard_after_forward_counts, worlds=(2,),
+          set_reshard_after_forward=[True, False, None], recurse=BOOLS),
     Case("manual_reshard_with_reshard_after_forward_false",
          W.manual_reshard_with_reshard_after_forward_false),
-    *grid("fully_shard_backward_prefetch", W.backward_prefetch, reshard_after_forward=BOOLS,
+    *grid("fully_shard_backward_prefetch", W.backward_prefetch,
+          reshard_after_forward=[True, False, None],
           checkpoint_impl=["none", "utils", "composable"]),
     Case("unshard_no_param_group", W.unshard_no_param_group),
     Case("unshard_without_lazy_init", W.unshard_without_lazy_init),

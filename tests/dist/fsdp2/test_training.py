@@ -41,7 +41,7 @@ CASES: list[Case] = [
     Case("root_move_forward_input_to_device", W.root_move_forward_input_to_device),
     Case("root_no_forward_inputs", W.root_no_forward_inputs),
     *grid("param_registration_after_forward", W.param_registration_after_forward,
-          worlds=(2, 3, 4), reshard_after_forward=BOOLS),
+          worlds=(2, 3, 4), reshard_after_forward=[True, False, None]),
     *grid("param_registration_after_backward", W.param_registration_after_backward,
           worlds=(2, 3, 4), reshard_after_forward=BOOLS),
     Case("to_float64_after_init", W.to_float64_after_init),

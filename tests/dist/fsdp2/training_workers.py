@@ -76,9 +76,10 @@ def _registration_check(ex: Expect, model: nn.Module, ref: nn.Module, rank: int,
 
 
 def param_registration_after_forward(rank: int, world: int, ex: Expect,
-                                     reshard_after_forward: bool) -> None:
-    """Non-root units follow reshard_after_forward; the root keeps its parameters after a
-    forward (docs/design.md, like FSDP2's default); reshard() shards them by hand."""
+                                     reshard_after_forward: bool | None) -> None:
+    """Units follow reshard_after_forward; with None (FSDP2's default) the root keeps its
+    parameters after a forward, an explicit True reshards it too (torch 2.13's FSDP2);
+    reshard() shards them by hand."""
     raf = reshard_after_forward
     for multi in (False, True):
         torch.manual_seed(42)
@@ -93,7 +94,9 @@ def param_registration_after_forward(rank: int, world: int, ex: Expect,
         _registration_check(ex, model, ref, rank, world, dict.fromkeys(names, True),
                             f"{what}, before forward")
         model(torch.randn(2, 3))
-        after = {n: (raf and n.startswith("0.")) for n in names}
+        # Sharded after forward: everything with an explicit True; with None, the
+        # non-root units (model[0]'s projections); nothing with False.
+        after = {n: bool(raf) or (raf is None and n.startswith("0.")) for n in names}
         _registration_check(ex, model, ref, rank, world, after, f"{what}, after forward")
         for m in sharded_modules(model):
             m.reshard()
@@ -292,9 +295,9 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, reshard_after_forwa
             rs += (num_mlps - 2 + 1) * (microbatches - 1)
         elif mode == "root_only":
             rs += num_mlps * (microbatches - 1)
-        # The root keeps its parameters from forward to backward (docs/design.md), so a
-        # backward gathers the resharded MLPs only.
-        ag = (num_mlps + 1 + (num_mlps if reshard_after_forward else 0)) * microbatches
+        # An explicit reshard_after_forward=True reshards the root too (torch 2.13's FSDP2),
+        # so a backward gathers every unit again, as upstream's count says.
+        ag = (num_mlps + 1 + (num_mlps + 1 if reshard_after_forward else 0)) * microbatches
         ex.true(count(log, "reduce_scatter") == rs,
                 f"iter {it}: {count(log, 'reduce_scatter')} reduce-scatters, expected {rs}")
         ex.true(count(log, "all_gather") == ag,

@@ -1,0 +1,92 @@
+"""`module.state_dict()` / `load_state_dict()` hooks on every module that holds a sharded
+parameter, as FSDP2 registers them.
+
+[Note: state-dict hooks] Before a module's state dict is taken or loaded, its units reshard,
+so `model.state_dict()` gives the DTensor shards at every point of a step (between a forward
+and its backward too, where a unit that keeps its parameters, and the root, would otherwise
+show full plain tensors). Backward then gathers again what it needs, as after a
+`reshard_after_forward=True` forward. Loading also allocates shards still on the meta
+device (a model sharded on meta and loaded without `to_empty`), and after the load puts
+back the engine's own parameters where `load_state_dict(assign=True)` (what
+`set_model_state_dict` uses for a meta model) replaced them, copying the loaded values
+into the shards: otherwise the load would "succeed" into tensors the engine never reads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import dtensor as DT
+from .schedule import TrainingState
+
+if TYPE_CHECKING:
+    from .sharded_param import ShardedParam
+
+
+def install_state_dict_hooks(params: list[ShardedParam]) -> None:
+    for sp in params:
+        for ref in sp.refs:
+            m = ref.module
+            slots: dict[str, ShardedParam] | None = m.__dict__.get("_sw_slots")
+            if slots is None:
+                slots = m.__dict__["_sw_slots"] = {}
+                m.register_state_dict_pre_hook(_pre_save)
+                m.register_load_state_dict_pre_hook(_pre_load)
+                m.register_load_state_dict_post_hook(_post_load)
+            slots[ref.name] = sp
+
+
+def _units(module: nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for sp in module.__dict__["_sw_slots"].values():
+        if sp.owner is not None:
+            seen.setdefault(id(sp.owner), sp.owner)
+    return list(seen.values())
+
+
+def _reshard(module: nn.Module, what: str) -> None:
+    for u in _units(module):
+        if u.training_state is TrainingState.PRE_BACKWARD and u.ctx is not None \
+                and u.ctx.in_backward:
+            raise RuntimeError(f"{what} of {type(module).__name__} inside the backward of "
+                               f"unit {u.label!r} (its parameters are in use); call it "
+                               "between steps or between forward and backward")
+        u.reshard()
+
+
+def _pre_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _reshard(module, "state_dict()")
+
+
+def _pre_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    _reshard(module, "load_state_dict()")
+    for sp in module.__dict__["_sw_slots"].values():
+        sp.materialize()  # a no-op unless the shard is still on the meta device
+
+
+def _post_load(module: nn.Module, incompatible: Any) -> None:
+    slots: dict[str, ShardedParam] = module.__dict__["_sw_slots"]
+    for name, sp in slots.items():
+        now = module._parameters.get(name)
+        if now is None or now is sp.sharded or now is sp.unsharded:
+            continue
+        # load_state_dict(assign=True) put the loaded tensor in place of the engine's.
+        with torch.no_grad():
+            if DT.is_dtensor(now):
+                local = DT.local_of(now)
+                if tuple(local.shape) != tuple(sp.local.shape):
+                    raise ValueError(
+                        f"{sp.fqn}: the loaded DTensor's local shard has shape "
+                        f"{tuple(local.shape)}, this rank's shard {tuple(sp.local.shape)} "
+                        "(a different sharding); load a full state dict instead")
+                sp.local.copy_(local)
+            else:
+                sp.set_full(now.detach())
+            requires_grad = now.requires_grad
+        for ref in sp.refs:
+            ref.module._parameters[ref.name] = sp.sharded
+        if requires_grad != sp.requires_grad:
+            sp.set_requires_grad(requires_grad)
