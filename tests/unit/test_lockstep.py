@@ -21,6 +21,7 @@ class FakeUnit:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.is_root = root
+        self.reshards_after_forward = not root
 
     def unshard(self, async_op: bool = True) -> None:
         if self.state is ShardedState.SHARDED:
