@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 	       "installing torch==2.13.0 as served (on a plain public Linux index: the CUDA build)"; \
 	       $(BIN)/pip install -q torch==2.13.0; }
 	$(BIN)/python -c "import torch; print('make: installed torch', torch.__version__)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,frameworks]'
+	# torchtitan 0.3.0 pins datasets<4.8, wandb and tensorboard, none of which the pieces the
+	# tests drive (model, parallelize, loss, optimizer, DCP checkpointer) import; installing them
+	# would pull hundreds of MB and a second numpy/pyarrow stack. So: torchtitan alone, and what
+	# it needs to import on CPU from the `frameworks` extra. torch stays 2.13.0 (checked below).
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
+	$(BIN)/pip list 2>/dev/null | grep -q '^torch  *2\.13\.0' || (echo "torch is not 2.13.0" && exit 1)
 	touch $(STAMP)
 
 run: $(STAMP)

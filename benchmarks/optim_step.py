@@ -5,12 +5,16 @@ measures `opt.step()` only (no forward/backward communication), against the same
 plain tensors of the same local shapes in the same process, so the printed ratio
 (sharded step / plain step) is comparable across versions of the engine on a noisy machine.
 
-    .venv/bin/python benchmarks/optim_step.py [--steps 30] [--foreach 1]
+    .venv/bin/python benchmarks/optim_step.py [--steps 30] [--foreach default|0|1]
+
+`--foreach default` (the default) builds `torch.optim.AdamW(params, lr=1e-3)` with torch's own
+choice, which on CPU is the per-parameter path.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -27,16 +31,21 @@ def _model() -> nn.Module:
     return nn.Sequential(*blocks)
 
 
+class _DTensorAdamW(torch.optim.AdamW):
+    """AdamW under another class name: shardwise's fast path ([Note: optimizer fast path]
+    in engine/optim_step.py) applies to the exact torch classes, so this measures the step
+    dispatching through DTensor, as it ran before the fast path."""
+
+
 def _time(opt: torch.optim.Optimizer, steps: int) -> float:
-    for _ in range(3):
-        opt.step()
     t = time.perf_counter()
     for _ in range(steps):
         opt.step()
     return (time.perf_counter() - t) / steps
 
 
-def _worker(rank: int, world: int, steps: int, foreach: bool) -> tuple[float, float]:
+def _worker(rank: int, world: int, steps: int, foreach: bool | None,
+            rounds: int) -> dict[str, float]:
     torch.set_num_threads(1)
     model = _model()
     sw.shard_model(model, auto_wrap_policy=lambda m: isinstance(m, nn.Sequential) and m
@@ -44,27 +53,37 @@ def _worker(rank: int, world: int, steps: int, foreach: bool) -> tuple[float, fl
     params = list(model.parameters())
     for p in params:
         p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
-    sharded = _time(opt, steps)
+    kw = {} if foreach is None else {"foreach": foreach}
+    opts = {"sharded": torch.optim.AdamW(params, lr=1e-3, **kw),
+            "sharded via DTensor": _DTensorAdamW(params, lr=1e-3, **kw)}
     # The same local shapes as plain tensors: what the step costs without any wrapper.
     plain = [torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p,
                               requires_grad=True) for p in params]
     for p in plain:
         p.grad = torch.ones_like(p)
-    popt = torch.optim.AdamW(plain, lr=1e-3, foreach=foreach)
-    return sharded, _time(popt, steps)
+    opts["plain"] = torch.optim.AdamW(plain, lr=1e-3, **kw)
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for o in opts.values():
+        _time(o, 2)  # state allocation, warm-up
+    for r in range(rounds):  # alternating rounds, rotated order: the machine is noisy
+        names = list(opts)
+        for name in names[r % 3:] + names[: r % 3]:
+            times[name].append(_time(opts[name], steps))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--foreach", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--foreach", choices=("default", "0", "1"), default="default")
     a = ap.parse_args()
-    out = run_distributed(_worker, 2, a.steps, bool(a.foreach))
-    sharded, plain = out[0]
-    print(f"optimizer step (AdamW, foreach={bool(a.foreach)}, 2 ranks, rank 0): "
-          f"sharded {sharded * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms, "
-          f"ratio {sharded / plain:.2f}x")
+    foreach = None if a.foreach == "default" else a.foreach == "1"
+    t = run_distributed(_worker, 2, a.steps, foreach, a.rounds)[0]
+    print(f"optimizer step (AdamW, foreach={foreach}, 2 ranks, rank 0, median of "
+          f"{a.rounds} alternating rounds of {a.steps} steps):")
+    for name, v in t.items():
+        print(f"  {name:20s} {v * 1e3:7.2f} ms  {v / t['plain']:.2f}x plain")
 
 
 if __name__ == "__main__":

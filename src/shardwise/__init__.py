@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from . import _worker  # noqa: F401  (first: see its docstring)
+from .checkpoint.adapter import save_adapter
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
+from .checkpoint.pretrained import LoadResult, load_pretrained
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .engine.debug import CollectiveError, CollectiveMismatchError, set_debug
@@ -22,6 +24,7 @@ from .engine.policies import (
     transformer_policy,
 )
 from .engine.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
+from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace
 from .planner import Plan, plan
@@ -33,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "LoadResult",
     "MixedPrecisionPolicy",
     "OverlapReport",
     "Plan",
@@ -49,11 +53,15 @@ __all__ = [
     "init_distributed",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
     "materialize",
     "no_sync",
+    "patch_fsdp2",
+    "patched_fsdp2",
     "plan",
     "precision_plan",
     "register_fsdp_forward_method",
+    "save_adapter",
     "save_checkpoint",
     "set_debug",
     "shard_model",

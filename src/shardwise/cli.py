@@ -11,7 +11,8 @@ COMMANDS = {
     "plan": "memory and time plan: will it fit, how fast",
     "bench": "side by side with PyTorch FSDP2, DDP and the no-communication bound",
     "explore": "the explorer: watch FSDP shard, gather, reduce and learn in the browser",
-    "export": "a sharded checkpoint -> one consolidated safetensors file",
+    "export": "a sharded checkpoint -> consolidated safetensors, or a Hugging Face folder",
+    "generate": "sample text from a run's checkpoint or an export folder",
     "demo": "the FSDP hello-world: a 676-parameter MLP on 2 local processes",
 }
 

@@ -204,3 +204,48 @@ def test_two_torchrun_agents_form_a_two_node_hybrid_job(tmp_path: Path) -> None:
                                                                   for e in events}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step-0000004", "step-0000006"]
+
+
+def test_corrupted_latest_checkpoint_names_the_intact_older_one(run: tuple[Path, str]) -> None:
+    """Issue 25: the refusal names the older checkpoint and the command that resumes it."""
+    run_dir, _ = run
+    dst = run_dir.parent / "corrupt"
+    shutil.copytree(run_dir, dst)
+    f = dst / "checkpoints" / "step-0000006" / "rank00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(data)
+    proc = shardwise_train("--name", "corrupt", "--resume", "--train.steps", "8",
+                           cwd=run_dir.parent.parent)
+    assert proc.returncode == 2, proc.stderr
+    assert "step-0000004 is intact" in proc.stderr
+    assert "--name corrupt --resume-from step-0000004" in proc.stderr
+
+
+def test_step_folder_without_manifest_is_set_aside_before_training(
+        run: tuple[Path, str]) -> None:
+    """Issue 25: resume falls back to step 4, and step 6's leftover folder no longer stops
+    the run at its save: it is moved aside before the first step, and the console says so."""
+    run_dir, _ = run
+    dst = run_dir.parent / "noman"
+    shutil.copytree(run_dir, dst)
+    (dst / "checkpoints" / "step-0000006" / "manifest.json").unlink()
+    out = ok(shardwise_train("--name", "noman", "--resume", cwd=run_dir.parent.parent))
+    assert "resumed at step 4" in out
+    assert "step-0000006 -> step-0000006.incomplete" in out
+    assert (dst / "checkpoints" / "step-0000006" / "manifest.json").is_file()
+    assert losses(dst) == losses(run_dir)
+
+
+def test_gpt_export_records_its_shape_and_generates(run: tuple[Path, str]) -> None:
+    run_dir, _ = run
+    cwd = run_dir.parent.parent
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "export", str(run_dir),
+                           "gpt-export"], cwd=cwd, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shape = json.loads((cwd / "gpt-export" / "shardwise_gpt.json").read_text())
+    assert shape["n_layer"] == 2 and shape["vocab_size"] == 256
+    gen = subprocess.run([sys.executable, "-m", "shardwise.cli", "generate", "gpt-export",
+                          "--prompt", "def ", "--max-new-tokens", "8"], cwd=cwd, text=True,
+                         capture_output=True, timeout=120)
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr

@@ -25,6 +25,7 @@ nan, inf = math.nan, math.inf
 # Never created: the path a load must refuse, and the only place a refused save could write.
 NO_SUCH = os.path.join(tempfile.gettempdir(), "shardwise-bad-input-no-such-dir", "ckpt")
 A_FILE = os.path.join(tempfile.gettempdir(), "shardwise-bad-input-a-file")
+EMPTY_DIR = os.path.join(tempfile.gettempdir(), "shardwise-bad-input-empty-dir")
 
 
 def a_file() -> str:
@@ -32,6 +33,12 @@ def a_file() -> str:
     with open(A_FILE, "a"):
         pass
     return A_FILE
+
+
+def empty_dir() -> str:
+    """An empty folder where a weights folder is expected (made on first use)."""
+    os.makedirs(EMPTY_DIR, exist_ok=True)
+    return EMPTY_DIR
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,14 @@ CASES: list[Case] = [
         lambda: sw.load_checkpoint(NO_SUCH, sharded(), 3)),  # type: ignore[arg-type]
     api("load_checkpoint(verify)", "'yes'", f"verify='yes' {P}",
         lambda: sw.load_checkpoint(NO_SUCH, sharded(), verify="yes")),  # type: ignore
+    api("load_checkpoint(trainable_only)", "'yes'", f"trainable_only='yes' {P}",
+        lambda: sw.load_checkpoint(NO_SUCH, sharded(), trainable_only="yes")),  # type: ignore
+    api("save_checkpoint(trainable_only)", "'yes'", f"trainable_only='yes' {P}",
+        lambda: sw.save_checkpoint(NO_SUCH, sharded(), trainable_only="yes")),  # type: ignore
+    api("save_adapter(model)", "(not peft)", "is not a peft model",
+        lambda: sw.save_adapter(NO_SUCH, sharded())),
+    api("save_adapter(path)", "(a file)", "already exists; give a new folder",
+        lambda: sw.save_adapter(__file__, sharded())),
     api("export_safetensors(path)", "''", f"path='' {P}",
         lambda: sw.export_safetensors("", sharded())),
     api("export_safetensors(path)", "(a file)", f"{P}: it is a file; give a folder",
@@ -307,6 +322,18 @@ CASES: list[Case] = [
         lambda: sw.export_safetensors(NO_SUCH, sharded(), max_shard_bytes=0)),
     api("export_safetensors(max_shard_bytes)", "1.5", "max_shard_bytes=1.5",
         lambda: sw.export_safetensors(NO_SUCH, sharded(), max_shard_bytes=1.5)),  # type: ignore
+    api("load_pretrained(model)", "'m'", f"model='m' {P}",
+        lambda: sw.load_pretrained("m", NO_SUCH)),  # type: ignore[arg-type]
+    api("load_pretrained(path)", "None", f"path=None {P}",
+        lambda: sw.load_pretrained(sharded(), None)),  # type: ignore[arg-type]
+    api("load_pretrained(path)", "(no such folder)", f"{P}: no such file or folder",
+        lambda: sw.load_pretrained(sharded(), NO_SUCH)),
+    api("load_pretrained(path)", "(a file not .safetensors)", f"{P}: a file must be "
+        ".safetensors", lambda: sw.load_pretrained(sharded(), a_file())),
+    api("load_pretrained(path)", "(a folder without weights)", f"{P}: the folder has no "
+        "model.safetensors", lambda: sw.load_pretrained(sharded(), empty_dir())),
+    api("load_pretrained(strict)", "'yes'", f"strict='yes' {P}",
+        lambda: sw.load_pretrained(sharded(), NO_SUCH, strict="yes")),  # type: ignore
     # no_sync, materialize, precision_plan
     api("no_sync(model)", "'m'", f"model='m' {P}", lambda: sw.no_sync("m").__enter__()),
     api("no_sync(model)", "(not sharded)", "no_sync needs a sharded model",

@@ -81,6 +81,21 @@ TRAIN_CASES = [
     cli("train --nproc 3 --parallel.tp 2", "3 ranks", "parallel.tp=2 must divide the world "
         "size 3 (ranks are dp x tp); allowed here: [1]",
         knob="shardwise train --parallel.tp (world size)"),
+    train("model.hf", NO_SUCH, f"model.hf='{NO_SUCH}' is not a folder"),
+    train("model.hf", str(Path(NOT_TOML).parent), f"model.hf='{Path(NOT_TOML).parent}' has "
+          "no config.json"),
+    train("model.dtype", "int8", "model.dtype='int8' is not one of: fp32, bf16, fp16"),
+    train("data.cache_dir", A_FILE, f"data.cache_dir='{A_FILE}' {NA}: it is a file"),
+    train("data.reset", "maybe", "data.reset='maybe' is not a valid bool"),
+    train("train.activation_checkpointing", "maybe",
+          "train.activation_checkpointing='maybe' is not a valid bool"),
+    train("train.compile", "2", "train.compile='2' is not a valid bool"),
+    train("lora.rank", "-1", "lora.rank=-1 must be >= 0"),
+    train("lora.rank", "4", "lora.rank=4 needs model.hf"),
+    train("lora.alpha", "-1", "lora.alpha=-1.0 must be >= 0"),
+    train("lora.targets", "q_proj,,v_proj", f"lora.targets='q_proj,,v_proj' {NA}"),
+    train("lora.dropout", "1", "lora.dropout=1.0 must be in [0, 1)"),
+    train("resume_from", "latest", f"resume_from='latest' {NA}: give a checkpoint as step-N"),
     train("checkpoint.interval", "-1", "checkpoint.interval=-1 must be >= 0"),
     train("checkpoint.keep", "0", "checkpoint.keep=0 must be > 0"),
     train("log.event_steps", "-2", "log.event_steps=-2 must be >= -1"),
@@ -200,6 +215,24 @@ EXPORT_CASES = [
     cli("export ckpt out --no-verify=yes", "yes", IGNORED),
     cli("export ckpt out --force=yes", "yes", IGNORED),
     cli("export ckpt out --verbose=yes", "yes", IGNORED),
+    cli("export ckpt out --hf --adapter", "both", "argument --adapter: not allowed with "
+        "argument --hf", knob="shardwise export --hf --adapter"),
+]
+
+GENERATE_CASES = [
+    cli(["generate", NO_SUCH, "--prompt", "x"], "(no such folder)", f"path='{NO_SUCH}' {NA}: "
+        "no such folder", knob="shardwise generate PATH"),
+    cli(["generate", str(Path(NOT_TOML).parent), "--prompt", "x"], "(not a run or export)",
+        "is neither a run folder (config.toml) nor an export folder",
+        knob="shardwise generate PATH (other folder)"),
+    cli("generate runs/x", "(no --prompt)", "the following arguments are required: --prompt",
+        knob="shardwise generate --prompt"),
+    cli(["generate", "runs/x", "--prompt", ""], "''", f"--prompt='' {NA}",
+        knob="shardwise generate --prompt (empty)"),
+    cli("generate runs/x --prompt x --max-new-tokens 0", "0",
+        f"--max-new-tokens=0 {NA}: must be >= 1"),
+    cli("generate runs/x --prompt x --temperature nan", "nan", "--temperature=nan"),
+    cli("generate runs/x --prompt x --top-k 0", "0", f"--top-k=0 {NA}: must be >= 1"),
 ]
 
 DEMO_CASES = [
@@ -214,4 +247,4 @@ TOP_CASES = [
 ]
 
 CLI_CASES = (TRAIN_CASES + PLAN_CASES + BENCH_CASES + EXPLORE_CASES + EXPORT_CASES
-             + DEMO_CASES + TOP_CASES)
+             + GENERATE_CASES + DEMO_CASES + TOP_CASES)

@@ -59,7 +59,8 @@ def test_bad_timeout_env_fails_before_init(monkeypatch: pytest.MonkeyPatch) -> N
 PUBLIC = [sw.shard_model, sw.fully_shard, sw.MixedPrecisionPolicy, sw.CPUOffloadPolicy,
           sw.size_policy, sw.transformer_policy, sw.init_distributed, sw.clip_grad_norm_,
           sw.full_state_dict, sw.load_full_state_dict, sw.save_checkpoint, sw.load_checkpoint,
-          sw.export_safetensors, sw.plan, sw.ShardedGradScaler, sw.no_sync, sw.materialize,
+          sw.export_safetensors, sw.save_adapter, sw.plan, sw.ShardedGradScaler, sw.no_sync,
+          sw.materialize,
           sw.precision_plan]
 
 

@@ -106,10 +106,22 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
             times.append(time.perf_counter() - t0)
     state = model_state_bytes(model, opt)
     peak = _rss_peak()
+    copied = _copied_per_step(model, bc.steps + 1)
     del model, opt, loss
     gc.collect()
     return {"times": times, "peak_rss": peak, "rss_growth": peak - base,
-            "model_state_bytes": state, "params": n_params}
+            "model_state_bytes": state, "params": n_params, "copied": copied}
+
+
+def _copied_per_step(model: torch.nn.Module, steps: int) -> dict[str, float]:
+    """Bytes the engine copied locally per step, by where (shardwise systems; {} others)."""
+    from ..engine.inspect import units_of
+
+    total: dict[str, float] = {}
+    for u in units_of(model):
+        for k, v in u.copied.items():
+            total[k] = total.get(k, 0) + v / steps
+    return total
 
 
 def bench_worker(bc: BenchConfig) -> dict:
@@ -131,6 +143,7 @@ def bench_worker(bc: BenchConfig) -> dict:
             out["rss_growth"] = max(out["rss_growth"], res["rss_growth"])
             out["model_state_bytes"] = res["model_state_bytes"]
             out["params"] = res["params"]
+            out["copied"] = res["copied"]
     for out in results.values():
         out["median_s"] = statistics.median(out["times"])
     return {"rank": rank, "world": world, "pid": os.getpid(), "results": results}

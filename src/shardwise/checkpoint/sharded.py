@@ -65,6 +65,7 @@ def save_checkpoint(
     step: int | None = None,
     extra: Any = None,
     allow_nonfinite: bool = False,
+    trainable_only: bool = False,
 ) -> None:
     """Save `model` (and `optimizer`) as a sharded checkpoint directory at `path`.
 
@@ -74,7 +75,9 @@ def save_checkpoint(
     the new one is complete. `extra` must be JSON-serializable; `load_checkpoint` returns it.
     A parameter or optimizer state holding NaN/inf raises ValueError on every rank before
     anything is written, unless `allow_nonfinite` (see finite.py; the check reads each
-    tensor once, about 3% of a save).
+    tensor once, about 3% of a save). `trainable_only` saves only the parameters that
+    require grad (a LoRA run's adapters: the frozen base is never written again); load such
+    a checkpoint with `trainable_only=True` too.
     """
     target = ""
     with agreed():
@@ -89,7 +92,8 @@ def save_checkpoint(
         except (TypeError, ValueError) as e:
             raise ValueError(f"extra must be JSON-serializable (dicts, lists, strings, "
                              f"numbers, bools, None): {e}") from None
-        view = model_view(model)
+        check_bool("trainable_only", trainable_only)
+        view = model_view(model, trainable_only)
         slots = [e.slot() for e in view.entries]
         opt_json, opt_state = None, {}
         if optimizer is not None:
@@ -205,6 +209,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     verify: bool = True,
+    trainable_only: bool = False,
 ) -> Any:
     """Load a checkpoint saved at any world size into `model` (and `optimizer`); return extra.
 
@@ -212,7 +217,9 @@ def load_checkpoint(
     file's SHA-256 is checked first (the files are split among the ranks, so each byte is
     read once more in total). Nothing in the model or optimizer changes unless everything
     was read successfully; a missing, truncated or corrupted file, or a checkpoint of a
-    different architecture, raises CheckpointError on every rank.
+    different architecture, raises CheckpointError on every rank. `trainable_only`: the
+    checkpoint holds only the parameters that require grad (saved with it); the others are
+    left as they are.
     """
     m: Manifest | None = None
     ckpt = ""
@@ -221,6 +228,7 @@ def load_checkpoint(
         check_module("model", model)
         _check_optimizer(optimizer)
         check_bool("verify", verify)
+        check_bool("trainable_only", trainable_only)
         ckpt = atomic.resolve(target)
         if not os.path.isdir(ckpt):
             raise CheckpointNotFoundError(f"path={os.fspath(path)!r} is not allowed: no "
@@ -230,7 +238,7 @@ def load_checkpoint(
                         "replacing it", target, ckpt)
         reshard_between_steps(model, "load_checkpoint")
         m = read_manifest(ckpt)
-        view = model_view(model)
+        view = model_view(model, trainable_only)
         _check_model(view, m, ckpt)
         if optimizer is not None:
             optim_state.check(optimizer, view, m, ckpt)

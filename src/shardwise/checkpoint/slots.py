@@ -72,6 +72,20 @@ def stored_rows(sp: ShardedParam) -> tuple[int, int]:
     return sp.tp.checkpoint_rows(sp.row_start, sp.row_end)
 
 
+def owned_block(sp: ShardedParam) -> tuple[slice, ...]:
+    """This rank's block of the stored (global) tensor, one slice per dim (a 0-d tensor is
+    one row): `stored_rows(sp)`, and under TP the columns of a weight TP splits past dim 0.
+
+    Exactly the elements of `sp.local`, in its layout: what a rank reads of a full tensor.
+    """
+    start, end = stored_rows(sp)
+    block = [slice(start, end), *(slice(0, n) for n in sp.global_shape[1:])]
+    if sp.tp is not None and sp.tp.shard_dim not in (None, 0):
+        d = sp.tp.shard_dim
+        block[d] = slice(sp.tp.offset, sp.tp.offset + sp.orig_shape[d])
+    return tuple(block)
+
+
 def own_rows(sp: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
     """This rank's shard from the stored rows `stored_rows(sp)` (TP: its columns of them)."""
     return rows if sp.tp is None else sp.tp.from_rows(rows)
@@ -107,14 +121,17 @@ class ModelView:
     params: dict[int, tuple[str, ShardedParam | None]]
 
 
-def model_view(model: nn.Module) -> ModelView:
-    """The model's state-dict keys mapped to sharded parameters, tied keys to their first."""
+def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
+    """The model's state-dict keys mapped to sharded parameters, tied keys to their first.
+    `trainable_only`: only parameters that require grad (a LoRA run's adapters)."""
     canonical = {id(sp): fqn for fqn, sp in named_sharded_params(model)}
     entries: list[ModelEntry] = []
     keys: list[str] = []
     aliases: dict[str, str] = {}
     first_plain: dict[int, str] = {}
     for key, t in model.state_dict(keep_vars=True).items():
+        if trainable_only and not t.requires_grad:
+            continue
         keys.append(key)
         sp = getattr(t, "_sw_param", None)
         if sp is not None:

@@ -35,14 +35,24 @@ def summarize(per_rank: list[dict], bc: BenchConfig) -> dict:
             "rss_growth_bytes": max(r["rss_growth"] for r in rs),
             "model_state_bytes_per_rank": max(r["model_state_bytes"] for r in rs),
             "params": rs[0]["params"],
+            "copied_bytes_per_step": rs[0].get("copied", {}),
         }
     ref = rows.get(REFERENCE)
     if ref:
         for row in rows.values():
             row["step_time_vs_shardwise"] = row["median_step_s"] / ref["median_step_s"]
             row["peak_rss_vs_shardwise"] = row["peak_rss_bytes"] / ref["peak_rss_bytes"]
-    return {"world_size": world, "config": bc.__dict__ | {"systems": list(bc.systems)},
-            "systems": rows}
+    # [Note: same-bytes bound] FULL_SHARD moves 1.5x DDP's bytes (all-gather in forward and
+    # backward, reduce-scatter: 3 x (S-1)/S of the model, against DDP's all-reduce 2 x
+    # (S-1)/S): no-comm compute plus 1.5x DDP's communication time at DDP's cost per byte.
+    dd, nc = rows.get("torch DDP"), rows.get("no-comm bound")
+    bound = None
+    if dd and nc:
+        bound = nc["median_step_s"] + 1.5 * (dd["median_step_s"] - nc["median_step_s"])
+        for row in rows.values():
+            row["step_time_vs_same_bytes_bound"] = row["median_step_s"] / bound
+    return {"world_size": world, "same_bytes_bound_s": bound,
+            "config": bc.__dict__ | {"systems": list(bc.systems)}, "systems": rows}
 
 
 def print_table(summary: dict) -> None:
@@ -62,6 +72,18 @@ def print_table(summary: dict) -> None:
               f"{r['model_state_bytes_per_rank'] / MB:>10.1f}"
               f"{r.get('step_time_vs_shardwise', float('nan')):>11.2f}"
               f"{r.get('peak_rss_vs_shardwise', float('nan')):>10.2f}")
+    bound = summary.get("same_bytes_bound_s")
+    ref, fsdp2 = rows.get(REFERENCE), rows.get("torch FSDP2")
+    if bound and ref:
+        print(f"\nsame-bytes bound (no-comm + 1.5 x (DDP - no-comm)): {1e3 * bound:.1f} ms; "
+              f"FULL_SHARD / bound = {ref['median_step_s'] / bound:.2f}")
+    if ref and fsdp2:
+        print(f"FULL_SHARD / FSDP2 = {ref['median_step_s'] / fsdp2['median_step_s']:.2f}")
+    for name, r in rows.items():
+        c = r.get("copied_bytes_per_step")
+        if c:
+            parts = ", ".join(f"{k} {v / MB:.0f}" for k, v in c.items())
+            print(f"{name}: MB copied per step: {sum(c.values()) / MB:.0f} ({parts})")
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,11 @@ Runs in one process without a process group; memory stays bounded by the largest
 be a run folder (runs/NAME): its latest checkpoint is exported, and the summary says which.
 An existing output file, or a folder that already holds an export, is never overwritten
 without --force. One summary line; --verbose adds a line per file and tensor.
+
+A run of the built-in GPT also gets shardwise_gpt.json (its shape) beside the weights, so
+`shardwise generate OUT` rebuilds it. `--hf` writes a Hugging Face folder (config.json,
+weights, tokenizer files; a LoRA run's adapters merged) and `--adapter` a LoRA run's peft
+adapter folder alone: both into a new folder, written whole or not at all (train/hf_export.py).
 """
 
 from __future__ import annotations
@@ -106,6 +111,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--force", action="store_true",
                     help="overwrite an existing output file, or the export files in the folder")
     ap.add_argument("--verbose", action="store_true", help="one line per file and tensor")
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--hf", action="store_true",
+                      help="a Hugging Face folder from a --model.hf run: config.json, "
+                           "safetensors, tokenizer files (LoRA merged into the weights)")
+    kind.add_argument("--adapter", action="store_true",
+                      help="a LoRA run's peft adapter folder alone (PeftModel.from_pretrained)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.checkpoint):
         ap.error(f"checkpoint={args.checkpoint!r} is not allowed: no such directory (give a "
@@ -113,6 +124,8 @@ def main(argv: list[str]) -> int:
     if not args.out:
         ap.error(f"out={args.out!r} is not allowed: give an output folder or a .safetensors "
                  "file name")
+    if args.hf or args.adapter:
+        return _export_folder(args.checkpoint, args.out, args.adapter, not args.no_verify)
     try:
         replaced = check_out(args.out, args.force)
     except ValueError as e:
@@ -143,10 +156,51 @@ def main(argv: list[str]) -> int:
                                   verify=not args.no_verify, progress=progress)
     except (CheckpointError, ValueError, OSError) as e:
         return report("shardwise export", e)
+    _record_gpt_shape(ckpt, args.out)
     dt = time.monotonic() - t0
     where = files[0] if len(files) == 1 else f"{os.path.dirname(files[0])} ({len(files)} files)"
     source = f"{ckpt} ({chosen})" if chosen else ckpt
     print(f"exported {source} -> {where}: {count} tensors, {_human(total)}, {dt:.1f} s"
           + (f" (replaced {len(replaced)} file{'s' if len(replaced) != 1 else ''})"
              if replaced else ""))
+    return 0
+
+
+def _record_gpt_shape(ckpt: str, out: str) -> None:
+    """A built-in GPT run's export folder records the model's shape (shardwise_gpt.json)."""
+    import dataclasses
+    import json
+
+    from shardwise.train.hf_export import GPT_SHAPE, run_config
+
+    if out.endswith(".safetensors"):
+        return
+    try:
+        cfg = run_config(ckpt)
+    except ValueError:
+        return  # a checkpoint outside a run folder: the weights alone
+    if not cfg.model.hf:
+        shape = {"model_type": "shardwise-gpt", **dataclasses.asdict(cfg.model.gpt())}
+        Path(out, GPT_SHAPE).write_text(json.dumps(shape, indent=2) + "\n")
+
+
+def _export_folder(checkpoint: str, out: str, adapter: bool, verify: bool) -> int:
+    from shardwise.checkpoint.manifest import CheckpointError
+    from shardwise.train.hf_export import export_run, run_config
+
+    prog = "shardwise export"
+    ckpt, chosen = resolve_checkpoint(checkpoint)
+    try:
+        if not adapter and not run_config(ckpt).model.hf:
+            raise ValueError(f"--hf: {checkpoint!r} is a run of the built-in GPT, which has no "
+                             "Hugging Face class; export it without --hf (the folder records "
+                             "its shape, and `shardwise generate OUT` samples from it)")
+        t0 = time.monotonic()
+        cfg = export_run(ckpt, out, adapter=adapter, verify=verify)
+    except (CheckpointError, ValueError, OSError) as e:
+        return report(prog, e)
+    what = ("peft adapter folder" if adapter else
+            "Hugging Face folder" + (" (LoRA merged)" if cfg.lora.rank else ""))
+    source = f"{ckpt} ({chosen})" if chosen else ckpt
+    print(f"exported {source} -> {out}: {what}, {time.monotonic() - t0:.1f} s")
     return 0

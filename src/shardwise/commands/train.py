@@ -41,8 +41,8 @@ def load_config(argv: list[str]) -> C.Config:
         saved_path = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
         saved = O.read_toml(saved_path) if saved_path.exists() else {}
         # Actions and placement belong to this invocation, not to the saved run.
-        for k in ("name", "out_dir", "resume", "overwrite", "nproc", "threads", "trace",
-                  "max_restarts"):
+        for k in ("name", "out_dir", "resume", "resume_from", "overwrite", "nproc", "threads",
+                  "trace", "max_restarts", "data.reset"):
             saved.pop(k, None)
         if "train.min_lr" in saved:  # written before min_lr became a fraction of lr
             lr = float(saved.get("train.lr", C.TrainSection.lr))
@@ -73,7 +73,9 @@ def schedule_note(cfg: C.Config) -> str | None:
 
     from ..train.trainer import lr_at
 
-    start = rundir.checkpoints(Path(cfg.out_dir).expanduser() / cfg.name)[-1][0]
+    if cfg.data.reset:
+        return None
+    start = rundir.chosen(Path(cfg.out_dir).expanduser() / cfg.name, cfg.resume_from)[0]
     old = dataclasses.replace(t, steps=int(old_steps))
     return (f"train.steps {old_steps} -> {t.steps} on resume: the {t.schedule} decay is "
             f"stretched over {t.steps} steps, so the lr of step {start + 1} goes from "
@@ -87,6 +89,15 @@ def precheck(cfg: C.Config, nproc: int) -> None:
     from ..train.tensor_parallel import check_world
 
     d, t = cfg.data, cfg.train
+    if cfg.model.hf:
+        check_world(cfg.parallel.tp, nproc)
+        from ..train.hf_folder import has_tokenizer
+
+        if not has_tokenizer(cfg.model.hf):
+            raise ValueError(f"model.hf={cfg.model.hf!r} has no tokenizer (tokenizer.json, or "
+                             "vocab.json and merges.txt): save the tokenizer into the folder "
+                             "with tokenizer.save_pretrained")
+        return  # token counts need the tokenizer: the workers check them
     gpt = cfg.model.gpt()
     check_world(cfg.parallel.tp, nproc,
                 {"n_head": gpt.n_head, "d_model": gpt.d_model, "ffn_dim": gpt.ffn_dim})

@@ -53,21 +53,33 @@ class ConsoleReporter:
 
     def start(self, info: dict[str, Any]) -> None:
         cfg: C.Config = info["config"]
-        g = cfg.model.gpt()
         s = cfg.shard
         tp, world = cfg.parallel.tp, info["world"]
         two_d = f", tp={tp} (dp={world // tp})" if tp > 1 else ""
-        print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M params, "
-              f"{g.n_layer} layers, d={g.d_model}, context {g.block_size}) on {info['world']} "
-              f"ranks ({info['device']}, {info['threads']} threads/rank)")
+        where = f"on {info['world']} ranks ({info['device']}, {info['threads']} threads/rank)"
+        if cfg.model.hf:
+            print(f"shardwise train: {cfg.model.hf} ({info['params'] / 1e6:.2f}M params, "
+                  f"context {cfg.model.seq_len()}, {cfg.model.dtype}) {where}")
+            if cfg.lora.rank:
+                lo = cfg.lora
+                print(f"  LoRA rank {lo.rank}, alpha {lo.scale():g}, targets "
+                      f"{lo.targets or 'peft default'}: {info['trainable']:,} trainable "
+                      "parameters; only they are checkpointed")
+        else:
+            g = cfg.model.gpt()
+            print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M "
+                  f"params, {g.n_layer} layers, d={g.d_model}, context {g.block_size}) {where}")
         print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
               f", cpu_offload={s.cpu_offload}{two_d}; each rank holds {info['local_params']:,} of "
               f"{info['params']:,} parameters")
         if "precision_plan" in info:
             print(f"  {info['precision_plan']}")
         data = cfg.data.path or "the Python standard library's .py sources"
-        print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val bytes; "
-              f"{info['tokens_per_step']:,} tokens per step")
+        unit = "tokens" if cfg.model.hf else "bytes"
+        print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val "
+              f"{unit}; {info['tokens_per_step']:,} tokens per step")
+        for line in info.get("moved_aside", []):
+            print(f"  set aside in checkpoints/: {line} (a save would have tripped over it)")
         if info["start_step"]:
             saved, now = info.get("saved_tokens_per_step"), info["tokens_per_step"]
             change = (f"; tokens per step change from {saved:,} to {now:,} (another "

@@ -72,7 +72,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | 
     """
     t = transport_for(group)
     n = shard.numel()
-    send = t.gather_buffer(n, shard.dtype, shard.device, _FRESH)
+    send = t.gather_buffer(n, shard.dtype, shard.device, _FRESH, output.view(-1))
     send[:n].copy_(shard.reshape(-1))
     return t.all_gather(output, send, n, async_op, label)
 

@@ -39,6 +39,8 @@ def materialize(
     which gives every shard its part of one draw.)
     Without `seed`, rank 0 draws one and every rank uses it (ranks seeded differently, as
     `torch.manual_seed(base + rank)` does, must still start replicas identical).
+    peft LoRA layers re-run their own adapter init after the pass ([Note: LoRA init]): B
+    starts at zero whatever `init_fn` did to it, so an adapted model starts as its base.
     Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
     unfilled (a non-persistent buffer such as rotary `inv_freq`, which a meta-device
     constructor could not compute) is refused by name rather than left as garbage.
@@ -96,6 +98,7 @@ def materialize(
                         init_fn(m)
                     elif hasattr(m, "reset_parameters") and callable(m.reset_parameters):
                         m.reset_parameters()
+                _reset_adapters(model)
     # Buffers and ignored parameters are replicated, not sharded, but their initializers
     # drew from each shard rank's own stream: rank 0's values are everyone's.
     if C.world_size() > 1:
@@ -111,6 +114,29 @@ def materialize(
             "reset_parameters() or in init_fn (e.g. recompute rotary inv_freq there), or "
             "create them outside the meta device")
     return model
+
+
+def _reset_adapters(model: nn.Module) -> None:
+    """[Note: LoRA init] peft's LoRA layers initialize their own children (A random, B zero,
+    so the adapted model starts as the base model). The pass above reached those children as
+    plain `nn.Linear`s (a model's `_init_weights` or `reset_parameters` draws B non-zero), so
+    each LoRA layer re-runs its own adapter init last. Recognized by peft's method (duck
+    typed: shardwise does not import peft); the init kind comes from the model's peft_config.
+    """
+    configs = getattr(model, "peft_config", None) or {}
+    for m in model.modules():
+        reset = getattr(m, "reset_lora_parameters", None)
+        adapters = getattr(m, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            continue
+        for name in adapters.keys():
+            init = getattr(configs.get(name), "init_lora_weights", True)
+            if init is not True and init is not False and init != "gaussian":
+                raise ValueError(
+                    f"materialize cannot recreate init_lora_weights={init!r} (adapter "
+                    f"{name!r}): it needs the base weights. Materialize or load the base "
+                    "model first, then add the adapter (or use init_lora_weights=True)")
+            reset(name, init)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
+from . import optim_step
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class ShardedParam:
         self.local = padded[: self.local_rows]
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
         face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
+        if self.spec is not None:
+            optim_step.ensure_registered()  # [Note: optimizer fast path]
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so
@@ -265,8 +268,20 @@ class ShardedParam:
 
     # --- materialization (meta -> real) ------------------------------------------------
 
-    def materialize(self) -> None:
-        """Allocate this rank's shard (zeros) for a meta parameter.
+    def new_padded_shard(self, *, zero_valid_rows: bool = True) -> torch.Tensor:
+        """A (C, *rest) chunk for this rank, where the real shard will live: padding rows
+        zero, the valid rows too unless the caller writes all of them (`zero_valid_rows=
+        False`: zeroing first would touch every page twice, most of a large load's time)."""
+        shape = (self.chunk_rows, *self.rest)
+        if zero_valid_rows:
+            return torch.zeros(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded = torch.empty(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded[self.local_rows :].zero_()
+        return padded
+
+    def materialize(self, padded: torch.Tensor | None = None) -> None:
+        """Allocate this rank's shard for a meta parameter: zeros, or `padded` (made by
+        `new_padded_shard` and filled, its padding rows zero) when given.
 
         New Parameter objects replace the meta ones on every module that refers to this
         parameter (a meta tensor's storage cannot be swapped in place), so build the
@@ -274,9 +289,8 @@ class ShardedParam:
         """
         if not self.is_meta:
             return
-        padded = torch.zeros(
-            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self.host_device
-        )
+        if padded is None:
+            padded = self.new_padded_shard()
         if self.pin_memory:
             padded = padded.pin_memory()
         self._build(padded, meta=False)

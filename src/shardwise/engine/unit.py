@@ -24,6 +24,7 @@ from . import collectives as C
 from .buffers import BufferPool
 from .events import Event, Span, now
 from .mesh import MeshInfo
+from .pack import pack_grad, prescale
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
@@ -42,9 +43,11 @@ class FlatBucket:
     grad_params: list[ShardedParam] = field(default_factory=list)
     grad_offsets: list[int] = field(default_factory=list)
     grad_numel: int = 0
+    sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
 
     def __post_init__(self) -> None:
         for p in self.params:
+            self.sizes.append(p.chunk_numel)
             self.offsets.append(self.numel)
             self.numel += p.chunk_numel
             if p.requires_grad:
@@ -56,7 +59,7 @@ class FlatBucket:
 @dataclass
 class _PendingGather:
     bucket: FlatBucket
-    send: torch.Tensor
+    send: torch.Tensor | None  # None: a view of `out` ([Note: pair transport])
     out: torch.Tensor
     work: Work
     start: float
@@ -73,6 +76,8 @@ class PendingReduce:
     start: float
     # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
     complete: bool = True
+    # 1/factor when the pack divided already ([Note: divide in the pack]); None: divide after.
+    prescale: float | None = None
 
     def finish(self) -> None:
         self.unit.finish_reduce(self)
@@ -124,6 +129,12 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[_PendingGather] = []
+        # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
+        # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
+        # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
+        # this side, reduce_out: the reduced shard into existing or cast sharded gradients).
+        self.copied: dict[str, int] = dict.fromkeys(
+            ("gather_in", "gather_out", "pack", "reduce_sum", "reduce_out"), 0)
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
         self.buckets: list[FlatBucket] = []
@@ -140,6 +151,7 @@ class Unit:
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+        self._ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
@@ -201,19 +213,25 @@ class Unit:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
+            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+            # [Note: pair transport]: the pair transport's send buffer is `out`'s own row.
+            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool, out)
             shard = send[: g.numel]
             with torch.no_grad():
-                for p, off in zip(g.params, g.offsets):
-                    # Casts to the compute dtype and, under offload, copies host -> device.
-                    shard[off : off + p.chunk_numel].copy_(p.padded_shard.reshape(-1),
-                                                           non_blocking=True)
-            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+                # Casts to the compute dtype and, under offload, copies host -> device.
+                torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
+                                      in zip(g.params, g.offsets)],
+                                     [p.padded_shard.reshape(-1) for p in g.params],
+                                     non_blocking=True)
+            # all-to-all also replicates the shard into every peer's row.
+            self.copied["gather_in"] += (g.numel * shard.element_size()
+                                         * (S if transport.name == "all_to_all" else 1))
             with Span() as call:
                 work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
-            self._gathers.append(_PendingGather(g, send, out, work, start,
-                                                0.0 if async_op else call.seconds))
+            self._gathers.append(_PendingGather(
+                g, None if transport.gather_in_place else send, out, work, start,
+                0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -227,13 +245,18 @@ class Unit:
             for pg in self._gathers:
                 with Span() as wait:
                     pg.work.wait()
-                self.pool.release(pg.send)
+                if pg.send is not None:
+                    self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
-                for p, off in zip(pg.bucket.params, pg.bucket.offsets):
+                for p in pg.bucket.params:
                     p.alloc_unsharded()
-                    # `.data` so the copy does not bump the autograd version counter that
-                    # tensors saved in forward check in backward (they alias this storage).
-                    p.unsharded_rows_view().copy_(rows[:, off : off + p.chunk_numel])
+                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
+                # views so the copy does not bump the autograd version counter that tensors
+                # saved in forward check in backward (they alias this storage).
+                torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1,
+                                            out=[p.unsharded_rows_view()
+                                                 for p in pg.bucket.params])
+                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
                 self.pool.release(pg.out)
                 self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
                            pg.start, wait.seconds + pg.blocked)
@@ -322,23 +345,45 @@ class Unit:
                 send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
                         else torch.empty(width, dtype=dtype, device=mesh.device))
                 rows = send.view(S, width)
+                scale = self._prescale()
                 for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-                    _pack_grad(p, grad, rows[:, off : off + p.chunk_numel])
+                    pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
                     p.drop_local_grad()
-                rows[:, g.grad_numel :].copy_(torch.tensor(
-                    [0.0 if x is None else 1.0 for x in grads], dtype=dtype))
                 complete = all(x is not None for x in grads)
+                rows[:, g.grad_numel :].copy_(self._flags(g, grads, dtype, complete))
+                self.copied["pack"] += send.numel() * send.element_size()
                 if S > 1:
                     out = torch.empty(width, dtype=dtype, device=mesh.device)
                     work = self.transport.reduce_scatter(out, send, True, self.pool,
                                                          label=self.label)
-                    pending.append(PendingReduce(self, g, send, out, work, start, complete))
+                    pending.append(PendingReduce(self, g, send, out, work, start, complete, scale))
                 else:
                     work = C.all_reduce(send, mesh.replicate_group, async_op=True,
                                         label=self.label) \
                         if mesh.replicate_size > 1 else Work(None, send)
-                    pending.append(PendingReduce(self, g, None, send, work, start, complete))
+                    pending.append(PendingReduce(self, g, None, send, work, start, complete,
+                                                 scale))
         return pending
+
+    def _prescale(self) -> float | None:
+        """1/factor when the divide goes into the pack ([Note: divide in the pack]).
+
+        Not when the sum itself must be seen: an all-reduce hook under forced-sum reduction
+        (FSDP2's contract) receives the undivided sum.
+        """
+        if self.force_sum_reduction:
+            return None
+        return prescale(self.grad_divide_factor or self.mesh.dp_size)
+
+    def _flags(self, g: FlatBucket, grads: list, dtype: torch.dtype,
+               complete: bool) -> torch.Tensor:
+        """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
+        if complete:
+            ones = self._ones.get((id(g), dtype))
+            if ones is None:
+                ones = self._ones[(id(g), dtype)] = torch.ones(len(grads), dtype=dtype)
+            return ones
+        return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype)
 
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
@@ -348,6 +393,8 @@ class Unit:
         mesh = self.mesh
         nbytes = pr.out.numel() * pr.out.element_size()
         if pr.send is not None:
+            if mesh.transport.name != "native":
+                self.copied["reduce_sum"] += nbytes
             self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                        waited)
             self.pool.release(pr.send)
@@ -361,12 +408,13 @@ class Unit:
         n_grad = pr.bucket.grad_numel
         # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
         counts = None if pr.complete else out[n_grad:].tolist()
-        # Sum then divide: the mean over ranks of each rank's mean loss gradient.
+        # Sum then divide: the mean over ranks of each rank's mean loss gradient (unless the
+        # pack divided already: [Note: divide in the pack]).
         factor = self.grad_divide_factor or mesh.dp_size
         hook = self.all_reduce_hook
         if hook is not None and self.force_sum_reduction:
             self._run_hook(hook, out[:n_grad])  # FSDP2: the hook sees the sum, then divides
-        if factor != 1:
+        if factor != 1 and pr.prescale is None:
             out[:n_grad].div_(factor)
         if hook is not None and not self.force_sum_reduction:
             self._run_hook(hook, out[:n_grad])
@@ -378,6 +426,7 @@ class Unit:
                 grad = out[off : off + n].view(p.local.shape)
                 if grad.dtype != p.orig_dtype or grad.device != p.host_device:
                     grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
+                    self.copied["reduce_out"] += n * grad.element_size()
                 have = p.shard_grad
                 if p.direct or have is None:
                     # Direct params accumulated locally; the reduced sum replaces it.
@@ -398,22 +447,3 @@ class Unit:
             hook(reduced)
         dev.current_stream().wait_stream(stream)
 
-
-def _pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor) -> None:
-    """Copy p's unsharded gradient into (S, C*row_numel) rank-major rows, zero-padded."""
-    if grad is None:
-        dst.zero_()
-        return
-    flat = grad.reshape(-1)
-    chunk = p.chunk_numel
-    if p.chunk_rows == 0:
-        return  # dim 0 has size 0: nothing to send (and no rows to divide by)
-    full_ranks = p.dim0 // p.chunk_rows
-    if full_ranks:
-        dst[:full_ranks].copy_(flat[: full_ranks * chunk].view(full_ranks, chunk))
-    tail = flat.numel() - full_ranks * chunk
-    if full_ranks < dst.shape[0]:
-        if tail:
-            dst[full_ranks, :tail].copy_(flat[full_ranks * chunk :])
-        dst[full_ranks, tail:].zero_()
-        dst[full_ranks + 1 :].zero_()

@@ -28,6 +28,7 @@ import torch
 
 from ..engine.buffers import BufferPool
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
+from ..engine.transport import gather_send_numel, kind_for, reduce_recv_numel
 from .memory import UnitCost, _size
 
 META = torch.device("meta")
@@ -95,7 +96,7 @@ class _SimUnit:
         # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
         self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
-        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         self.unreduced = False  # full gradients exist that were not reduced yet
 
     def unshard(self, async_op: bool = True) -> None:
@@ -104,8 +105,11 @@ class _SimUnit:
         sim = self.sim
         if sim.S > 1:
             for dtype, chunk in self.cost.gather:
-                send = sim.get(chunk, dtype)
+                # As the engine: the output first, then the send buffer its transport sizes
+                # (engine/transport.py).
                 out = sim.get(chunk * sim.S, dtype)
+                n = gather_send_numel(sim.transport, chunk, sim.S)
+                send = sim.get(n, dtype) if n else None
                 if sim.scratch:
                     # gloo gathers into a flat output of its own and copies it out: a copy
                     # that lives while the all-gather runs, which is right after issue.
@@ -113,6 +117,7 @@ class _SimUnit:
                     sim.t.add(extra, "comm")
                     sim.t.add(-extra, "comm")
                 self.gathers.append((send, out))
+        sim.log.append(("gather", self.i))
         self.state = ShardedState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -121,9 +126,11 @@ class _SimUnit:
         self.unshard()
         self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
         for send, out in self.gathers:
-            self.sim.release(send)
+            if send is not None:
+                self.sim.release(send)
             self.sim.release(out)
         self.gathers.clear()
+        self.sim.log.append(("wait", self.i))
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -131,6 +138,7 @@ class _SimUnit:
             return
         self.wait_unshard()
         self.sim.t.add(-self.cost.unsharded_bytes, "unsharded")
+        self.sim.log.append(("reshard", self.i))
         self.state = ShardedState.SHARDED
 
     def has_unreduced_grads(self) -> bool:
@@ -147,8 +155,9 @@ class _SimUnit:
             if sim.S > 1:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
-                # gloo reduces a copy of the whole input, kept by the pending work.
-                extra = n * sim.S * rsize if sim.scratch else 0
+                # What the transport receives into before its local sum, held by the
+                # pending work (engine/transport.py).
+                extra = reduce_recv_numel(sim.transport, n, sim.S) * rsize
             else:
                 send = None
                 out = n * rsize  # the packed buffer itself becomes the gradients
@@ -158,6 +167,7 @@ class _SimUnit:
             parts.append((send, out, extra, kept))
         if not c.direct:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
+        sim.log.append(("reduce", self.i))
         return (_SimReduce(self, parts),)
 
 
@@ -167,6 +177,7 @@ class _SimReduce:
 
     def finish(self) -> None:
         sim = self.unit.sim
+        sim.log.append(("finish", self.unit.i))
         for send, out, extra, kept in self.parts:
             if send is not None:
                 sim.release(send)
@@ -186,11 +197,15 @@ class _Sim:
         self.S = shard_size
         self.acts = acts
         self.scratch = scratch  # gloo copies whole collective buffers while in flight
+        # The engine's transport for this group (gloo: scratch; engine/transport.py).
+        self.transport = kind_for(scratch, shard_size)
         self.t = _Tally()
         self.pool = BufferPool()
         self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
         self.schedule: Schedule[_SimUnit] = Schedule(self.units, limits)
         self.grads_alive = 0
+        # Every schedule decision in order: what the time model's replay must match.
+        self.log: list[tuple[str, int]] = []
 
     # --- the pool, through the engine's own class -------------------------------------------
 

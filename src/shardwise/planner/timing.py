@@ -6,10 +6,11 @@ group of g ranks an all-gather or reduce-scatter of a B-byte buffer sends and re
 the link's latency, each byte its bandwidth; a group that spans nodes runs at the slower
 (inter-node) link.
 
-The overlapped step is a two-stream schedule of the engine's order ([Note: prefetch]): the
-compute stream runs units one after another; the communication stream runs gathers and
-reductions in issue order; a unit computes once its all-gather is done; at most two
-reductions are pending (a third waits for the oldest, as `add_pending_reduce` does).
+The overlapped step is a two-stream replay of the engine's own schedule (timed_replay.py
+drives engine/schedule.py's `Schedule`, as the memory replay does): the compute stream runs
+units one after another; the communication stream runs gathers and reductions in issue order;
+a unit computes once its all-gather is done; prefetches and pending reductions follow the
+schedule's `Limits`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.events import wire_bytes
+from ..engine.schedule import DEFAULT_LIMITS, Limits
 from .memory import UnitCost, _size
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import TransformerShape
+from .timed_replay import Replay
 
 # Full-array passes of torch's (non-fused) AdamW per step: mul_ (decay), lerp_ (m), mul_ and
 # addcmul_ (v), sqrt, div, add_ (denominator), addcdiv_ (update): ~20 reads+writes of a
@@ -165,72 +168,26 @@ def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int
 
 
 def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
-                    optimizer_s: float, sync_all_reduce: bool) -> float:
+                    optimizer_s: float, sync_all_reduce: bool,
+                    limits: Limits = DEFAULT_LIMITS) -> float:
     """Seconds per step with communication on its own stream, in the engine's order.
 
-    `sync_all_reduce`: HYBRID's cross-replica all-reduce runs inside finish_reduce on the
-    training thread, so compute waits for it.
+    The order is the engine's own: its `Schedule` drives clock-keeping units
+    (timed_replay.py), so prefetching, `limits` and the reduce drain are the engine's
+    decisions. `sync_all_reduce`: HYBRID's cross-replica all-reduce runs inside
+    finish_reduce on the training thread, so compute waits for it.
     """
-    n = len(work.forward_s)
-    by: dict[tuple[str, int, str], list[float]] = {}
+    by: dict[tuple[str, int, str], float] = {}
     for c in colls:
-        by.setdefault((c.kind, c.unit, c.phase), []).append(links.seconds(c))
-    comm = 0.0  # when the communication stream is next free
-
-    def issue(kind: str, unit: int, phase: str, at: float) -> float:
-        """Queue a unit's collectives at time `at`; when they will be done."""
-        nonlocal comm
-        durations = by.get((kind, unit, phase), [])
-        if not durations:
-            return at
-        comm = max(comm, at) + sum(durations)
-        return comm
-
-    # Forward: nothing prefetches the root, so it gathers first and alone; its pre-hook
-    # prefetches unit 1, and each unit prefetches the next as it starts computing.
-    comp = issue("all_gather", 0, "forward", 0.0)
-    ready = {1: issue("all_gather", 1, "forward", comp)} if n > 1 else {}
-    for u in range(1, n):
-        start = max(comp, ready.pop(u))
-        if u + 1 < n:
-            ready[u + 1] = issue("all_gather", u + 1, "forward", start)
-        comp = start + work.forward_s[u]
-    comp += work.forward_s[0]  # the root's own work: embedding, head and loss
-
-    # Backward: loss and head first (the root is still unsharded), then the units in
-    # reverse: gather if not prefetched, prefetch the previous unit, compute, reduce.
-    comp += work.backward_s[0] / 2
-    pending: list[tuple[int, float]] = []
-
-    def reduce(u: int) -> None:
-        nonlocal comp
-        done = issue("reduce_scatter", u, "backward", comp)
-        if not sync_all_reduce:
-            done = issue("all_reduce", u, "backward", done)
-        pending.append((u, done))
-
-    def finish_oldest() -> None:
-        nonlocal comp
-        u, done = pending.pop(0)
-        comp = max(comp, done)
-        if sync_all_reduce:
-            comp = issue("all_reduce", u, "backward", comp)
-
-    ready = {}
-    for u in range(n - 1, 0, -1):
-        got = ready.pop(u) if u in ready else issue("all_gather", u, "backward", comp)
-        start = max(comp, got)
-        if u - 1 >= 1:
-            ready[u - 1] = issue("all_gather", u - 1, "backward", start)
-        comp = start + work.backward_s[u]
-        reduce(u)
-        while len(pending) > 2:
-            finish_oldest()
-    comp += work.backward_s[0] / 2  # the embedding's gradient comes last
-    reduce(0)
-    while pending:
-        finish_oldest()
-    return comp + optimizer_s
+        key = (c.kind, c.unit, c.phase)
+        by[key] = by.get(key, 0.0) + links.seconds(c)
+    # Gathers are listed per phase; reductions are all "backward".
+    reshard = any(c.kind == "all_gather" and c.phase == "backward" for c in colls)
+    replay = Replay(work.forward_s, work.backward_s,
+                    lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
+                    reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
+                    limits=limits)
+    return replay.step_seconds() + optimizer_s
 
 
 def serial_step(work: UnitWork, colls: list[Collective], links: Links,

@@ -9,6 +9,7 @@ starts, naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +20,7 @@ from .model import PRESETS, GPTConfig, preset
 
 WRAP_POLICIES = ("transformer", "size", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")
 ON_NONFINITE = ("stop", "skip")
 
@@ -61,13 +63,18 @@ def _positive(section: str, obj: Any, *names: str, zero_ok: bool = False) -> Non
 
 @dataclass
 class ModelSection:
-    """The model: a named preset, optionally reshaped.
+    """The model: a named preset, optionally reshaped, or a Hugging Face folder.
 
     preset: model shape from train/model.py PRESETS (tiny, small, medium, 124m, ..., 7b, 13b).
     n_layer: override the preset's number of blocks (0: keep the preset's).
     d_model: override the preset's width (0: keep).
     n_head: override the preset's attention heads (0: keep).
-    block_size: override the preset's context length; training sequences have this length (0: keep).
+    block_size: override the preset's context length; training sequences have this length
+        (0: keep; with hf: the smaller of 1024 and the model's max_position_embeddings).
+    hf: a local Hugging Face model folder (config.json, safetensors weights, tokenizer files)
+        to fine-tune instead of the built-in GPT; each rank reads only its shards of the weights.
+    dtype: storage dtype of the weights (and so of the optimizer's master copy): fp32, bf16 or
+        fp16. Compute and communication follow shard.mixed_precision.
     """
 
     preset: str = "small"
@@ -75,12 +82,38 @@ class ModelSection:
     d_model: int = 0
     n_head: int = 0
     block_size: int = 0
+    hf: str = ""
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _typed("model", self)
         _choice("model", "preset", self.preset, tuple(PRESETS))
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
-        self.gpt()  # raises if the overrides make an impossible shape
+        _choice("model", "dtype", self.dtype, DTYPES)
+        if self.hf:
+            from .hf_folder import check_folder
+
+            self.hf = str(Path(self.hf).expanduser().resolve())
+            check_folder(self.hf)
+            for k in ("n_layer", "d_model", "n_head"):
+                _check(not getattr(self, k), f"model.{k}={getattr(self, k)} cannot reshape "
+                       f"a pretrained model (model.hf={self.hf!r}); leave it 0")
+            self.seq_len()  # raises if block_size exceeds the model's positions
+        else:
+            self.gpt()  # raises if the overrides make an impossible shape
+
+    def seq_len(self) -> int:
+        """The length of the training sequences."""
+        if not self.hf:
+            return self.gpt().block_size
+        from .hf_folder import max_positions
+
+        most = max_positions(self.hf)
+        if not self.block_size:
+            return min(1024, most)
+        _check(self.block_size <= most, f"model.block_size={self.block_size} exceeds the "
+               f"model's max_position_embeddings={most} (model.hf={self.hf!r})")
+        return self.block_size
 
     def gpt(self) -> GPTConfig:
         overrides = {k: getattr(self, k) for k in ("n_layer", "d_model", "n_head", "block_size")
@@ -97,12 +130,20 @@ class DataSection:
     max_bytes: read at most this many bytes of text (a deterministic subset of the files).
     val_fraction: the last part of the (deterministically shuffled) text held out for validation.
     seed: seed of the file order and of each epoch's sequence order.
+    reset: with --resume / --resume-from when the data, tokenizer or model differ from the
+        run's: keep the checkpoint's weights but start a fresh data position, learning-rate
+        schedule and optimizer state (train.steps more steps); without it such a resume is
+        refused.
+    cache_dir: with model.hf: where tokenized data is cached, keyed by (data, tokenizer)
+        ("": <out_dir>/token-cache).
     """
 
     path: str = ""
     max_bytes: int = 8_000_000
     val_fraction: float = 0.05
     seed: int = 1234
+    reset: bool = False
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         _typed("data", self)
@@ -112,6 +153,14 @@ class DataSection:
         if self.path:
             _check(Path(self.path).expanduser().exists(),
                    f"data.path={self.path!r} does not exist (give a text file or a folder)")
+
+        c = Path(self.cache_dir).expanduser()
+        _check(not self.cache_dir or c.is_dir() or not c.exists(),
+               f"data.cache_dir={self.cache_dir!r} is not allowed: it is a file (give a "
+               "folder, or a path where one can be made)")
+
+    def cache(self, out_dir: str = "runs") -> str:
+        return self.cache_dir or str(Path(out_dir).expanduser() / "token-cache")
 
 
 @dataclass
@@ -138,6 +187,9 @@ class TrainSection:
         skip (drop that optimizer step; see docs/training.md).
     max_skipped_steps: with on_nonfinite=skip, stop once more than this many steps in a row
         were skipped.
+    activation_checkpointing: recompute each block's activations in backward instead of
+        keeping them (less memory, about a third more compute).
+    compile: compile each block with torch.compile (the first steps pay for compilation).
     """
 
     steps: int = 1000
@@ -156,6 +208,8 @@ class TrainSection:
     eval_batches: int = 8
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10
+    activation_checkpointing: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _typed("train", self)
@@ -213,6 +267,38 @@ class ParallelSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters (peft) on a model.hf: only the adapters train and are checkpointed.
+
+    rank: the adapters' rank r (0: no LoRA, train every weight).
+    alpha: the adapters' scale numerator: the update is (alpha / rank) * B @ A (0: 2 * rank).
+    targets: comma-separated names of the linear layers to adapt, e.g. q_proj,v_proj
+        ("": peft's default for the architecture).
+    dropout: dropout on the adapters' input.
+    """
+
+    rank: int = 0
+    alpha: float = 0.0
+    targets: str = ""
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _typed("lora", self)
+        _positive("lora", self, "rank", "alpha", zero_ok=True)
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout={self.dropout!r} must be in [0, 1)")
+        names = [t.strip() for t in self.targets.split(",")] if self.targets else []
+        bad = [t for t in names if not t or not all(p.isidentifier() for p in t.split("."))]
+        _check(not bad, f"lora.targets={self.targets!r} is not allowed: give comma-separated "
+               "module names such as q_proj,v_proj")
+
+    def target_list(self) -> list[str] | None:
+        return [t.strip() for t in self.targets.split(",")] if self.targets else None
+
+    def scale(self) -> float:
+        return self.alpha or 2.0 * self.rank
+
+
+@dataclass
 class CheckpointSection:
     """Sharded checkpoints in the run folder.
 
@@ -266,6 +352,8 @@ class Config:
     out_dir: where run folders live.
     nproc: local worker processes (0 = the GPU count on CUDA, else 2); ignored under torchrun.
     resume: continue the run folder's latest checkpoint (at any nproc).
+    resume_from: continue the run folder from this checkpoint (step-N, or N); implies resume.
+        Later checkpoints are kept until the run saves over them.
     overwrite: delete an existing run folder of the same name first.
     threads: torch CPU threads per rank (0 = CPU cores / local ranks, at least 1).
     trace: write a Chrome/Perfetto trace of log.trace_steps steps into the run folder's
@@ -279,6 +367,7 @@ class Config:
     out_dir: str = "runs"
     nproc: int = 0
     resume: bool = False
+    resume_from: str = ""
     overwrite: bool = False
     threads: int = 0
     trace: bool = False
@@ -288,12 +377,19 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     shard: ShardSection = field(default_factory=ShardSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
         _typed("", self)
         _positive("", self, "nproc", "threads", "max_restarts", zero_ok=True)
+        if self.resume_from:
+            m = re.fullmatch(r"(?:step-)?0*(\d+)", self.resume_from)
+            _check(m is not None, f"resume_from={self.resume_from!r} is not allowed: give a "
+                   "checkpoint as step-N (a folder name under the run's checkpoints/) or N")
+            self.resume_from = f"step-{int(m.group(1)):07d}" if m else ""
+            self.resume = True
         _check(not (self.resume and self.overwrite),
                "--resume and --overwrite contradict each other: pick one")
         _check("/" not in self.name and self.name not in (".", ".."),
@@ -303,6 +399,14 @@ class Config:
                f"out_dir={self.out_dir!r} is not allowed: must be a folder (or a path where "
                "one can be made), not empty and not a file")
         tp = self.parallel.tp
+        if self.model.hf:
+            _check(bool(self.data.path), f"model.hf={self.model.hf!r} needs data.path: a text "
+                   "file, a folder, or JSONL (text, prompt/completion or chat messages)")
+            _check(tp == 1, f"parallel.tp={tp} is not supported with model.hf (the TP plan is "
+                   "the built-in GPT's); use tp=1")
+        else:
+            _check(self.lora.rank == 0, f"lora.rank={self.lora.rank} needs model.hf: LoRA "
+                   "adapts a Hugging Face model's linear layers (the built-in GPT has none)")
         if tp > 1:
             from .tensor_parallel import check_tp
 
@@ -314,8 +418,8 @@ class Config:
                    "DDP x TP are library-only: docs/parallelism.md)")
             _check(not self.shard.cpu_offload,
                    f"parallel.tp={tp} with shard.cpu_offload=true is not supported")
-        _check(self.model.gpt().vocab_size >= 256,
+        _check(bool(self.model.hf) or self.model.gpt().vocab_size >= 256,
                f"model.preset={self.model.preset!r} has vocab_size < 256; byte text needs 256")
 
 
-SECTIONS = ("model", "data", "train", "shard", "parallel", "checkpoint", "log")
+SECTIONS = ("model", "data", "train", "shard", "parallel", "lora", "checkpoint", "log")

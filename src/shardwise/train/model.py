@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 from .tensor_parallel import local, tp_enter, tp_exit
 
@@ -209,6 +210,9 @@ class GPT(nn.Module):
         self.wpe = nn.Parameter(torch.empty(cfg.block_size, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = LayerNorm(cfg.d_model)
+        # Activation checkpointing: keep only each block's input; recompute the rest in
+        # backward (the block's sharding hooks run again: engine/hooks.py).
+        self.checkpointing = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -222,7 +226,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
         x = F.embedding(idx, self.wte) + self.wpe[:T]  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = F.linear(self.norm(x), self.wte)  # (B, T, V)
         if targets is None:
             return logits

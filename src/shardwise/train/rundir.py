@@ -44,6 +44,59 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def step_of(name: str) -> int | None:
+    """step-0000020 -> 20; "" -> None."""
+    m = _CKPT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def chosen(run_dir: Path, resume_from: str = "") -> tuple[int, Path]:
+    """The checkpoint a resume loads: `resume_from`'s, else the latest complete one."""
+    found = checkpoints(run_dir)
+    if resume_from:
+        for step, p in found:
+            if p.name == resume_from:
+                return step, p
+        have = ", ".join(p.name for _, p in found) or "none"
+        raise ValueError(f"resume_from={resume_from!r}: {str(run_dir)!r} has no complete "
+                         f"checkpoint of that name (complete checkpoints: {have})")
+    return found[-1]
+
+
+def set_aside(run_dir: Path, resume_from: str = "") -> list[str]:
+    """Before a resume trains: move out of the way what a later save would trip over.
+
+    A step folder without manifest.json (a save that died, or a removed manifest) would make
+    that step's save refuse to replace it, after the steps before it were trained; with
+    `resume_from`, complete checkpoints after it would be taken for the latest by the next
+    --resume. Both are renamed (nothing is deleted): `step-N.incomplete`,
+    `step-N.superseded`, which no resume reads. Returns "old -> new" lines.
+    """
+    root = run_dir / CKPT_DIR
+    if not root.is_dir():
+        return []
+    start = chosen(run_dir, resume_from)[0] if checkpoints(run_dir) else 0
+    moved = []
+    for p in sorted(root.iterdir()):
+        step = step_of(p.name)
+        if step is None or not p.is_dir():
+            continue
+        if not is_complete(str(p)) and any(p.iterdir()):
+            suffix = ".incomplete"
+        elif resume_from and step > start and is_complete(str(p)):
+            suffix = ".superseded"
+        else:
+            continue
+        dst = p.with_name(p.name + suffix)
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = p.with_name(f"{p.name}{suffix}{n}")
+        p.rename(dst)
+        moved.append(f"{p.name} -> {dst.name}")
+    return moved
+
+
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return run_dir / CKPT_DIR / f"step-{step:07d}"
 
@@ -137,9 +190,11 @@ def resolve_name(cfg: Config) -> Config:
             run = found
         if not checkpoints(run):
             raise ValueError(f"--resume: {str(run)!r} holds no checkpoint to resume from")
+        chosen(run, cfg.resume_from)  # raises if resume_from names no complete checkpoint
         return dataclasses.replace(cfg, name=run.name)
     if not cfg.name:
-        return dataclasses.replace(cfg, name=_next_free(out, cfg.model.preset))
+        stem = Path(cfg.model.hf).name if cfg.model.hf else cfg.model.preset
+        return dataclasses.replace(cfg, name=_next_free(out, stem or "hf"))
     run = out / cfg.name
     if run.exists() and any(run.iterdir()) and not cfg.overwrite:
         raise ValueError(
@@ -148,9 +203,10 @@ def resolve_name(cfg: Config) -> Config:
     return cfg
 
 
-def prepare(cfg: Config) -> Config:
+def prepare(cfg: Config, moved: list[str] | None = None) -> Config:
     """Create (or, for --overwrite, recreate) the run folder and write config.toml; return
     the resolved config (its `name`, and `resume` as a torchelastic restart decided it).
+    On a resume, what `set_aside` moved is appended to `moved`.
 
     On --resume the folder is kept, except that metrics after the resumed checkpoint are
     dropped: they belong to steps that are about to be run again.
@@ -161,14 +217,18 @@ def prepare(cfg: Config) -> Config:
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     if cfg.resume:
-        step = checkpoints(run)[-1][0]
+        aside = set_aside(run, cfg.resume_from)
+        if moved is not None:
+            moved.extend(aside)
+        step = chosen(run, cfg.resume_from)[0]
         truncate_metrics(run / "metrics.jsonl", step)
         # Events too: a step run again (perhaps at another world size) must not show up
         # twice, nor with ranks it no longer has, in a replay.
         for events in run.glob("events-rank*.jsonl"):
             truncate_metrics(events, step)
     # The saved config describes the run, not this invocation's actions.
-    saved = dataclasses.replace(cfg, resume=False, overwrite=False)
+    saved = dataclasses.replace(cfg, resume=False, resume_from="", overwrite=False,
+                                data=dataclasses.replace(cfg.data, reset=False))
     job = job_id()
     (run / "config.toml").write_text((f"{_JOB_LINE}{job}\n" if job else "") + dumps_toml(saved))
     return cfg
@@ -199,14 +259,41 @@ def last_step(run: Path) -> int:
     return max(steps)
 
 
+def saved_extra(ckpt: Path) -> dict:
+    """A checkpoint's `extra` (the training position, keys, phase) from its manifest."""
+    from ..checkpoint.manifest import read_manifest
+
+    extra = read_manifest(str(ckpt)).extra
+    return extra if isinstance(extra, dict) else {}
+
+
 def check_resume(cfg: Config) -> None:
-    """On --resume: refuse before anything starts when no step is left to train."""
+    """On --resume, before anything starts: refuse when no step is left to train, and when
+    the data, tokenizer or model differ from what the checkpoint trained on (unless
+    --data.reset starts a fresh phase from its weights: [Note: phases] in trainer.py)."""
+    if not cfg.resume:
+        return
+    from .identity import differences, run_keys
+
     run = Path(cfg.out_dir).expanduser() / cfg.name
-    found = checkpoints(run)
-    if cfg.resume and found and found[-1][0] >= cfg.train.steps:
-        raise ValueError(f"the checkpoint is at step {found[-1][0]}; train.steps="
-                         f"{cfg.train.steps} leaves nothing to do (raise --train.steps to "
-                         "train further)")
+    if not checkpoints(run):
+        return
+    step, ckpt = chosen(run, cfg.resume_from)
+    extra = saved_extra(ckpt)
+    if not cfg.data.reset:
+        changed = differences(extra.get("keys") or {}, run_keys(cfg))
+        if changed:
+            what = " and ".join(changed)
+            raise ValueError(
+                f"--resume: the {what} differ{'s' if len(changed) == 1 else ''} from what "
+                f"{ckpt.name} of run {cfg.name!r} trained on; continuing would apply its data "
+                "position, schedule and optimizer state to something else. Pass --data.reset "
+                "to keep its weights and start a fresh data position, schedule and optimizer, "
+                "or resume with the run's own data, tokenizer and model")
+    end = (step if cfg.data.reset else int(extra.get("phase", 0))) + cfg.train.steps
+    if step >= end:
+        raise ValueError(f"the checkpoint is at step {step}; train.steps={cfg.train.steps} "
+                         "leaves nothing to do (raise --train.steps to train further)")
 
 
 def discard_unstarted(run: Path) -> bool:

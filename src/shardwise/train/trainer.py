@@ -28,13 +28,16 @@ from ..engine.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D
 from . import rundir
+from .build import Built, build, build_gpt
 from .checkpointing import resume, save, saved_tokens_per_step
 from .config import Config, TrainSection
 from .faults import FaultInjector
 from .guard import NonFiniteGuard
+from .identity import run_keys
 from .metrics import MB, STATE_BYTES_PER_PARAM, MetricsFile, memory_mb, peak_memory_mb
 from .model import GPT
-from .tensor_parallel import check_world, parallelize_gpt
+from .sampling import ByteCodec, HFCodec, sample_text
+from .tensor_parallel import check_world
 from .windows import EventLog, TraceWindow
 
 
@@ -81,7 +84,7 @@ def threads_per_rank(cfg: Config) -> int:
     return max(1, cores // max(1, local))
 
 
-def _shared_run_dir(cfg: Config, rank: int) -> tuple[Path, bool]:
+def _shared_run_dir(cfg: Config, rank: int) -> tuple[Path, bool, list[str]]:
     """Rank 0 prepares the run folder; everyone gets its path and whether to resume from it
     (a torchelastic restart resumes: rundir.for_restart), or rank 0's error. Resolving it on
     every rank would race: rank 0 creates the folder another rank's "never overwrite" check
@@ -89,42 +92,21 @@ def _shared_run_dir(cfg: Config, rank: int) -> tuple[Path, bool]:
     answer: dict[str, Any] = {}
     if rank == 0:
         try:
-            ready = rundir.prepare(cfg)
+            moved: list[str] = []
+            ready = rundir.prepare(cfg, moved)
             answer = {"dir": str(Path(ready.out_dir).expanduser() / ready.name),
-                      "resume": ready.resume}
+                      "resume": ready.resume, "moved": moved}
         except (ValueError, OSError) as e:
             answer = {"error": str(e), "type": type(e).__name__}
     answer = Cm.broadcast_json(answer, src=0)
     if "error" in answer:
         raise (OSError if answer["type"] == "OSError" else ValueError)(answer["error"])
-    return Path(answer["dir"]), bool(answer["resume"])
+    return Path(answer["dir"]), bool(answer["resume"]), list(answer["moved"])
 
 
 def build_model(cfg: Config, mesh: DeviceMesh | None = None) -> GPT:
-    """The GPT built on the meta device, sharded with the config's knobs, then materialized:
-    each rank allocates and initializes only its own shards.
-
-    With a (dp, tp) `mesh` the model is built whole on every rank (same seed, same
-    weights), split by the TP plan, then sharded over dp: materialize's per-shard streams
-    would give the TP ranks' different heads identical initial values.
-    """
-    torch.manual_seed(cfg.train.seed)
-    with torch.device("meta" if mesh is None else "cpu"):
-        model = GPT(cfg.model.gpt())
-    if mesh is not None:
-        parallelize_gpt(model.to(mesh.device_type), mesh["tp"])
-    s = cfg.shard
-    sw.shard_model(
-        model,
-        sharding_strategy=s.sharding_strategy,
-        auto_wrap_policy=None if s.auto_wrap_policy == "none" else s.auto_wrap_policy,
-        mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
-        cpu_offload=s.cpu_offload,
-        mesh=None if mesh is None else mesh["dp"],
-    )
-    if mesh is None:
-        sw.materialize(model, seed=cfg.train.seed)
-    return model
+    """The built-in GPT, sharded and materialized (see build.build_gpt)."""
+    return build_gpt(cfg, mesh)
 
 
 def tp_mesh(cfg: Config, world: int, device: torch.device) -> DeviceMesh | None:
@@ -148,15 +130,19 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, cfg: Config, rank: int, world: int,
+def evaluate(built: Built, val: Any, cfg: Config, rank: int, world: int,
              device: torch.device) -> float:
     """Mean loss over the fixed validation batches of every rank."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    seq = model.cfg.block_size
+    seq = cfg.model.seq_len()
     tp = cfg.parallel.tp  # a TP group shares its batches; the sum counts each tp times
-    for x, y in D.val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
-                              cfg.train.eval_batches, device):
-        total += model(x, y).double()
+    if cfg.model.hf:
+        from .token_cache import val_batches
+    else:
+        val_batches = D.val_batches
+    for x, y in val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
+                            cfg.train.eval_batches, device):
+        total += built.loss(x, y).double()
     Cm.all_reduce(total, None, label="validation loss")
     return total.item() / (world * cfg.train.eval_batches)
 
@@ -184,38 +170,60 @@ class Trainer:
         self.rank, self.world, self.device = sw.init_distributed()
         torch.set_num_threads(threads_per_rank(cfg))
         t = cfg.train
-        seq = cfg.model.gpt().block_size
+        seq = cfg.model.seq_len()
         # The data first: text that is too short fails alike on every rank, before a run
         # folder exists that would block running the same --name again.
-        text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
-        self.parts = D.split(text, cfg.data.val_fraction, seq)
+        if cfg.model.hf:
+            # Tokenized once into the cache (the first rank of each node), memory-mapped.
+            from . import token_cache as TC
+
+            tokens = TC.prepare_shared(cfg.data.path, cfg.model.hf, cfg.data.cache(cfg.out_dir))
+            self.parts: Any = TC.split(tokens, cfg.data.val_fraction, seq)
+            self.n_train, self.n_val = len(self.parts.train.tokens), len(self.parts.val.tokens)
+        else:
+            text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
+            self.parts = D.split(text, cfg.data.val_fraction, seq)
+            self.n_train, self.n_val = len(self.parts.train), len(self.parts.val)
         # Ranks of one TP group (consecutive ranks: the mesh is (dp, tp)) read the same batch.
         tp = cfg.parallel.tp
         if tp > 1:
             check_world(tp, self.world)
         self.dp_world = self.world // tp
-        self.stream = D.BatchStream(self.parts.train, seq, t.batch_size, self.rank // tp,
-                                    self.dp_world, cfg.data.seed, self.device)
+        stream_cls: Any = D.BatchStream
+        if cfg.model.hf:
+            from .token_cache import TokenBatchStream as stream_cls
+        self.stream = stream_cls(self.parts.train, seq, t.batch_size, self.rank // tp,
+                                 self.dp_world, cfg.data.seed, self.device)
 
-        self.run_dir, resuming = _shared_run_dir(cfg, self.rank)
+        self.keys = run_keys(cfg)
+        self.run_dir, resuming, self.moved = _shared_run_dir(cfg, self.rank)
         self.cfg = cfg = dataclasses.replace(cfg, name=self.run_dir.name, resume=resuming)
         self.rep: Reporter = (reporter if (reporter is not None and self.rank == 0)
                               else NullReporter())
         self.faults = faults  # None outside the fault tests: no checks in the step loop
 
-        self.model = build_model(cfg, tp_mesh(cfg, self.world, self.device))
+        self.built = build(cfg, tp_mesh(cfg, self.world, self.device))
+        self.model = self.built.model
         self.opt = _optimizer(self.model, t)
         # fp16's narrow range needs loss scaling; bf16 and fp32 do not (a no-op scaler).
         self.scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
                                     scaler_handles_grads=self.scaler.enabled)
-        self.start = (resume(self.run_dir, self.model, self.opt, self.stream, self.scaler)
-                      if cfg.resume else 0)
+        # [Note: phases] --data.reset starts a phase at the resumed step: a fresh data
+        # position, optimizer and schedule, train.steps steps after it.
+        self.phase = 0
+        self.start = 0
+        if cfg.resume:
+            self.start, self.phase = resume(
+                self.run_dir, self.model, self.opt, self.stream, self.scaler,
+                step=rundir.step_of(cfg.resume_from), reset=cfg.data.reset,
+                trainable_only=bool(cfg.lora.rank), keys=self.keys, name=cfg.name)
+        self.end = self.phase + t.steps
         # A restart after the last step (a crash at teardown) has nothing left to do.
-        if self.start >= t.steps and not rundir.is_restart():
+        if self.start >= self.end and not rundir.is_restart():
             raise ValueError(f"the checkpoint is at step {self.start}; train.steps={t.steps} "
                              "leaves nothing to do (raise --train.steps to train further)")
-        self.n_params = cfg.model.gpt().num_params()
+        self.n_params, self.n_trainable = self.built.n_params, self.built.n_trainable
         self.local_params = sum(local_of(p).numel() for p in self.model.parameters())
         self.tokens_per_step = t.batch_size * seq * t.grad_accum * self.dp_world
         # A resume at another data-parallel size changes the global batch; said once, here.
@@ -223,10 +231,11 @@ class Trainer:
         self.rep.start({
             "run_dir": str(self.run_dir), "world": self.world, "device": str(self.device),
             "params": self.n_params, "local_params": self.local_params,
-            "start_step": self.start, "steps": t.steps, "tokens_per_step": self.tokens_per_step,
+            "start_step": self.start, "steps": self.end, "tokens_per_step": self.tokens_per_step,
             "saved_tokens_per_step": saved_tps,
-            "config": cfg, "train_bytes": len(self.parts.train),
-            "val_bytes": len(self.parts.val), "threads": torch.get_num_threads(),
+            "trainable": self.n_trainable, "moved_aside": self.moved,
+            "config": cfg, "train_bytes": self.n_train,
+            "val_bytes": self.n_val, "threads": torch.get_num_threads(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "precision_plan": sw.precision_plan(self.model)})
 
@@ -234,7 +243,7 @@ class Trainer:
         self.events = EventLog(self.model, self.run_dir / f"events-rank{self.rank}.jsonl",
                                cfg.log.event_steps != 0)
         self.count_until = (self.start + max(cfg.log.event_steps, 3)
-                            if cfg.log.event_steps >= 0 else t.steps)
+                            if cfg.log.event_steps >= 0 else self.end)
         self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.val_loss = math.nan
@@ -246,7 +255,7 @@ class Trainer:
         """Forward and backward over grad_accum micro-batches, clip, and apply the step unless
         the non-finite guard says otherwise."""
         t, model, opt, scaler = self.cfg.train, self.model, self.opt, self.scaler
-        lr = lr_at(step, t)
+        lr = lr_at(step - self.phase, t)
         for g in opt.param_groups:
             g["lr"] = lr
         set_step(model, step)
@@ -260,7 +269,7 @@ class Trainer:
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
-                loss = model(x, y)
+                loss = self.built.loss(x, y)
                 if self.faults is not None:
                     loss = self.faults.loss(loss, step, self.rank)
                 scaler.scale(loss / t.grad_accum).backward()
@@ -304,9 +313,9 @@ class Trainer:
         if step == self.count_until:
             self.events.stop()
         self.tracing.after(step)
-        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
+        if (t.eval_interval and step % t.eval_interval == 0) or step == self.end:
             self.events.counter.paused = self.tracing.paused = True
-            self.val_loss = evaluate(self.model, self.parts.val, self.cfg, self.rank,
+            self.val_loss = evaluate(self.built, self.parts.val, self.cfg, self.rank,
                                      self.world, self.device)
             self.events.counter.paused = self.tracing.paused = False
             record["val_loss"] = self.val_loss
@@ -315,9 +324,11 @@ class Trainer:
             self.metrics.write(record)
         self.rep.step(record)
         ck = self.cfg.checkpoint
-        if (ck.interval and step % ck.interval == 0) or step == t.steps:
+        if (ck.interval and step % ck.interval == 0) or step == self.end:
             path = save(self.run_dir, step, self.model, self.opt, self.stream, self.scaler,
-                        ck.keep, self.rank, self.tokens_per_step)
+                        ck.keep, self.rank, keys=self.keys, phase=self.phase,
+                        trainable_only=bool(self.cfg.lora.rank),
+                        tokens_per_step=self.tokens_per_step)
             self.rep.checkpoint(step, str(path))
 
     def finish(self) -> dict[str, Any]:
@@ -329,7 +340,7 @@ class Trainer:
         # training step did (measured under bf16: 846 MiB sampling vs 460 MiB training), and
         # the peak resident set size only ever grows.
         train_peak = peak_memory_mb(self.device)
-        sample = _sample(self.model, self.cfg, self.device)
+        sample = _sample(self.built, self.cfg, self.device)
         self.events.stop()
         if self.rank == 0 and sample:
             (self.run_dir / "sample.txt").write_text(sample)
@@ -339,7 +350,7 @@ class Trainer:
                                      peak_memory_mb(self.device)])
         tail = self.losses[-10:] or [math.nan]  # every step of this invocation may be skipped
         summary = {
-            "run_dir": str(self.run_dir), "steps": self.cfg.train.steps,
+            "run_dir": str(self.run_dir), "steps": self.end,
             "start_step": self.start, "world": self.world, "params": self.n_params,
             "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
             "final_val_loss": self.val_loss,
@@ -365,17 +376,19 @@ def run(cfg: Config, reporter: Reporter | None = None,
     """Train on every rank of the current process group (or torchrun's); return the summary.
     `faults`: the tests' fault injector (train/faults.py), None in a normal run."""
     trainer = Trainer(cfg, reporter, faults)
-    for step in range(trainer.start + 1, trainer.cfg.train.steps + 1):
+    for step in range(trainer.start + 1, trainer.end + 1):
         trainer.log_step(trainer.train_step(step))
     return trainer.finish()
 
 
-def _sample(model: GPT, cfg: Config, device: torch.device) -> str:
+def _sample(built: Built, cfg: Config, device: torch.device) -> str:
     """Text from the trained model; every rank samples in lockstep (each forward is collective)."""
     if cfg.log.sample_tokens <= 0:
         return ""
-    prompt = torch.tensor([list(cfg.log.sample_prompt.encode())], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    out = model.generate(prompt, cfg.log.sample_tokens, generator=gen)
-    # Escaped, not U+FFFD: a byte-level model can emit bytes that are not UTF-8.
-    return bytes(out[0].tolist()).decode("utf-8", errors="backslashreplace")
+    codec = HFCodec(cfg.model.hf) if cfg.model.hf else ByteCodec()
+    built.model.eval()
+    try:
+        return sample_text(built.logits, codec, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                           cfg.model.seq_len(), cfg.train.seed, device)
+    finally:
+        built.model.train()

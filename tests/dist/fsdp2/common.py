@@ -239,8 +239,10 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
     patched: list[tuple[Any, str, Any]] = [
         (T.Transport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
         (T.AllToAllTransport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
+        (T.PairTransport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
         (T.Transport, "reduce_scatter", lambda self, out, full, *a, **k: out),
         (T.AllToAllTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
+        (T.PairTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
         (C, "all_reduce", lambda t, *a, **k: t),
         (C, "broadcast", lambda t, *a, **k: t),
     ]

@@ -1,0 +1,94 @@
+"""A Hugging Face causal LM for `shardwise train --model.hf PATH`: built on the meta device,
+optionally adapted with LoRA (peft), sharded, then each rank reads only its rows of the
+pretrained weights (`sw.load_pretrained`).
+
+The model is the library's own class (`AutoModelForCausalLM.from_config`), unwrapped, so its
+state-dict keys are Hugging Face's (and, with LoRA, peft's `base_model.model.` ones): the
+checkpoints and exports name tensors as `from_pretrained` and peft expect them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+
+from .config import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+IGNORE = -100  # a target the loss does not count (prompt tokens, padding)
+
+
+def lora_config(cfg: Config) -> Any:
+    from peft import LoraConfig
+
+    lo = cfg.lora
+    return LoraConfig(r=lo.rank, lora_alpha=lo.scale(), lora_dropout=lo.dropout,
+                      target_modules=lo.target_list(), task_type="CAUSAL_LM",
+                      base_model_name_or_path=cfg.model.hf)
+
+
+def _meta_model(cfg: Config) -> nn.Module:
+    import transformers as tf
+
+    hf_cfg = tf.AutoConfig.from_pretrained(cfg.model.hf, local_files_only=True)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(hf_cfg, dtype=DTYPES[cfg.model.dtype])
+    if cfg.lora.rank:
+        from peft import get_peft_model
+
+        try:
+            model = get_peft_model(model, lora_config(cfg))
+        except ValueError as e:  # e.g. a target that matches no module
+            raise ValueError(f"lora.targets={cfg.lora.targets!r}: {e}") from None
+    return model
+
+
+def build_hf(cfg: Config) -> nn.Module:
+    """The folder's model, sharded over the world and loaded: each rank holds its rows."""
+    model = _meta_model(cfg)
+    if cfg.train.activation_checkpointing:
+        # Non-reentrant: the unit's hooks run again in the recomputation (engine/hooks.py).
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # no KV cache while training
+    s = cfg.shard
+    sw.shard_model(
+        model, sharding_strategy=s.sharding_strategy,
+        auto_wrap_policy=None if s.auto_wrap_policy == "none" else s.auto_wrap_policy,
+        mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
+        cpu_offload=s.cpu_offload)
+    inner = model.get_base_model() if cfg.lora.rank else model
+    # Everything the checkpoint does not hold (adapters, computed buffers such as rotary
+    # inv_freq) gets the model's own initialization; LoRA's B starts at zero (materialize
+    # re-runs peft's adapter init), so the adapted model starts as the base model.
+    sw.materialize(model, init_fn=inner._init_weights, seed=cfg.train.seed)
+    # Each rank reads only its rows. With LoRA the adapters are not in the folder (strict
+    # would refuse them): they keep the init above. peft froze the base before sharding.
+    sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank)
+    return model
+
+
+def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the counted targets of (B, T) inputs and targets."""
+    logits = model(input_ids=x).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                           ignore_index=IGNORE)
+
+
+def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x).logits
+
+
+def n_params(model: nn.Module) -> tuple[int, int]:
+    """(all parameters, trainable ones), counted from the global shapes."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()  # a DTensor reports its global size
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
