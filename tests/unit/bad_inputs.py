@@ -93,6 +93,18 @@ def _sm(**kw: Any) -> Callable[[], Any]:
     return lambda: sw.shard_model(Net(), **kw)
 
 
+def _shard_dim(dim: int) -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(dim)
+
+
+def _replicate() -> Any:
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
+
+
 def _fs(**kw: Any) -> Callable[[], Any]:
     return lambda: sw.fully_shard(Net(), **kw)
 
@@ -180,6 +192,12 @@ CASES: list[Case] = [
         lambda: sw.register_fsdp_forward_method(sharded(), "nope")),
     api("share_comm_ctx(modules)", "[nn.Linear]", "share_comm_ctx expects sharded modules",
         lambda: sw.share_comm_ctx([nn.Linear(2, 2)])),
+    api("fully_shard(shard_placement_fn)", "lambda p: Shard(1)", "shardwise shards every "
+        "parameter on dim 0 only", _fs(shard_placement_fn=lambda p: _shard_dim(1))),
+    api("fully_shard(shard_placement_fn)", "lambda p: Replicate()", "must return torch's "
+        "Shard(dim) or None", _fs(shard_placement_fn=lambda p: _replicate())),
+    api("fully_shard(shard_placement_fn)", "3", "shard_placement_fn=3 is not allowed",
+        _fs(shard_placement_fn=3)),
     api("fully_shard(mp_policy)", "'bf16'", "mp_policy='bf16' must be sw.MixedPrecisionPolicy",
         _fs(mp_policy="bf16")),
     api("fully_shard(offload_policy)", "True", "offload_policy=True must be sw.CPUOffloadPolicy",

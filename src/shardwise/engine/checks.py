@@ -103,3 +103,37 @@ def check_params(name: str, value: Any) -> list[nn.Parameter]:
     if bad:
         raise ValueError(f"{name} holds {bad[0]!r}, which is not allowed: {allowed}")
     return out
+
+
+def check_shard_placement(module: nn.Module, fn: Any, ignored: Iterable[nn.Parameter]) -> None:
+    """FSDP2's `shard_placement_fn` (param -> Shard(dim) or None), asked for every parameter
+    the unit will own. Dim 0 (the default, also as `Shard(-ndim)`) is what shardwise does;
+    another dim is refused up front rather than silently sharded on dim 0."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise _fail("shard_placement_fn", fn, "must be None or a callable taking a parameter "
+                    "and returning torch's Shard(dim) or None")
+    from torch.distributed.tensor import Shard
+
+    skip = {id(p) for p in ignored}
+    for name, p in module.named_parameters():
+        if id(p) in skip or hasattr(p, "_sw_param"):
+            continue  # ignored, or already owned by a sharded child
+        got = fn(p)
+        if got is None:
+            continue
+        if type(got) is not Shard:
+            raise ValueError(f"shard_placement_fn returned {got!r} for parameter {name!r}: it "
+                             "must return torch's Shard(dim) or None")
+        nd = max(p.dim(), 1)
+        if not -nd <= got.dim < nd:
+            raise ValueError(f"shard_placement_fn returned Shard({got.dim}) for parameter "
+                             f"{name!r} of shape {tuple(p.shape)}: dim out of range")
+        if got.dim % nd != 0:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({got.dim}) for parameter {name!r} of shape "
+                f"{tuple(p.shape)}: shardwise shards every parameter on dim 0 only (a shard is "
+                "rows of the all-gather buffer, and checkpoints, state dicts and the grad norm "
+                "read rows); return Shard(0) or None. Expert weights stored as (experts, out, "
+                "in) tensors shard on dim 0 with any expert count (docs/moe.md)")

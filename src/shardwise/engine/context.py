@@ -20,6 +20,7 @@ from torch import nn
 
 from . import collectives as C
 from .events import EventSink
+from .lockstep import find_groups
 from .schedule import Limits, Schedule, TrainingState
 from .tp import check_params_in_place
 from .unit import Unit
@@ -104,6 +105,9 @@ class ModelContext:
                 "sd) before the first forward")
         check_params_in_place(self.units)
         _check_same_layout(self.units)
+        # Sibling units that data may skip ([Note: lockstep] in schedule.py).
+        self.schedule.groups = find_groups(self.top.modules, self.units,
+                                           {id(u): u.modules for u in self.units})
         self.ready = True
         return self
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import dtensor as DT
 from .buffers import BufferPool
-from .checks import check_module, check_params
+from .checks import check_module, check_params, check_shard_placement
 from .context import ModelContext
 from .hooks import forward_post_hook, forward_pre_hook
 from .inspect import units_of
@@ -126,6 +126,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: CPUOffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
 ) -> Any:
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
@@ -135,10 +136,14 @@ def fully_shard(
     and the list is returned. `reshard_after_forward`: None (FSDP2's default) reshards after
     forward except on the root; True/False apply to the root too. `mp_policy` and
     `offload_policy` also take torch.distributed.fsdp's own policy objects.
+    `shard_placement_fn` may return `Shard(0)` or None for each parameter; another dim is
+    refused (checks.check_shard_placement).
     """
     modules = _validate_modules(module)
     mp, offload, ignored = _validate(modules, reshard_after_forward, mp_policy,
                                      offload_policy, ignored_params)
+    for m in modules:
+        check_shard_placement(m, shard_placement_fn, ignored)
     # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
     tp = context_for(modules[0], mesh)
     info = mesh_info_for(mesh)

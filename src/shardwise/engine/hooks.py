@@ -57,8 +57,9 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward is the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: Unit, token: Any, *tensors: torch.Tensor) -> Any:
         ctx.unit = unit
+        ctx.token = token
         return tensors
 
     @staticmethod
@@ -66,16 +67,16 @@ class _PostBackward(torch.autograd.Function):
         unit: Unit = ctx.unit
         if unit.ctx is not None:
             unit.ctx.ensure_backward()
-            unit.ctx.schedule.post_backward(unit)
-        return (None, *grads)
+            unit.ctx.schedule.post_backward(unit, ctx.token)
+        return (None, None, *grads)
 
 
-def _mark_inputs(unit: Unit, args: Any) -> Any:
+def _mark_inputs(unit: Unit, token: Any, args: Any) -> Any:
     """Route the inputs that need a gradient through _PostBackward ([Note: post-backward])."""
     needs = [t for t in tensors_in(args) if t.requires_grad]
     if not needs:
         return args
-    outs = iter(_PostBackward.apply(unit, *needs))
+    outs = iter(_PostBackward.apply(unit, token, *needs))
     ids = {id(t) for t in needs}
     return map_tensors(lambda t: next(outs) if id(t) in ids else t, args)
 
@@ -97,10 +98,11 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
         ctx.begin_forward()
     if ctx.sinks:
         unit.t_compute = now()
-    ctx.schedule.pre_forward(unit)
+    grad = torch.is_grad_enabled()
+    token = ctx.schedule.pre_forward(unit, grad)
     args, kwargs = _cast((args, kwargs), cast_to)
-    if torch.is_grad_enabled():
-        args, kwargs = _mark_inputs(unit, (args, kwargs))
+    if grad:
+        args, kwargs = _mark_inputs(unit, token, (args, kwargs))
     return args, kwargs
 
 
@@ -114,13 +116,12 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         return _cast(output, out_dtype)
     if ctx.sinks:
         unit._emit("forward", "", 0, unit.t_compute)
-    ctx.schedule.post_forward(unit)
-    if torch.is_grad_enabled():
-        hook = None
-        for t in tensors_in(output):
-            if t.requires_grad:
-                hook = hook or _make_pre_backward(ctx, unit)  # one closure per call, not per output
-                t.register_hook(hook)
+    needs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+    token = ctx.schedule.post_forward(unit, hooked=bool(needs))
+    if needs:
+        hook = _make_pre_backward(ctx, unit, token)  # one closure per call, not per output
+        for t in needs:
+            t.register_hook(hook)
     # Each unit's own policy: a block may hand fp32 to the next one while computing in bf16.
     output = _cast(output, out_dtype)
     if unit.is_root:
@@ -128,12 +129,12 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
     return output
 
 
-def _make_pre_backward(ctx: ModelContext, unit: Unit):
+def _make_pre_backward(ctx: ModelContext, unit: Unit, token: Any):
     def hook(grad: torch.Tensor) -> None:
         ctx.ensure_backward()
         if ctx.sinks:
             unit.t_compute = now()
-        ctx.schedule.pre_backward(unit)
+        ctx.schedule.pre_backward(unit, token)
 
     return hook
 

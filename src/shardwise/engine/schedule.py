@@ -15,6 +15,24 @@ the end of forward. The new order is used from the next step on.
 
 [Note: reduce limit] Each pending reduction holds a unit-sized send buffer until it is
 waited for; at most `Limits.reduces` are pending, the oldest is finished first.
+
+[Note: lockstep] Every rank must issue the same collectives in the same order, but what a
+rank's data does decides which units run (a mixture-of-experts rank that routes no token to
+an expert never calls it) and which get a gradient (an output unused by this rank's loss).
+Two rules make the collectives independent of the data:
+
+- Forward: the units that are the children of one `nn.ModuleList`/`ModuleDict` (a *group*,
+  engine/lockstep.py) run in container order. When a member is called, the members before it
+  that this rank skipped are *visited* first: gathered, resharded and recorded exactly as if
+  they had run on no input; the rest are visited when the group is left (a unit outside the
+  container starts, the unit holding the container ends its forward, or the forward ends).
+- Backward: the forward records where each unit's pre-backward (its outputs) and
+  post-backward (its inputs) would come, in order. Autograd runs nodes in reverse creation
+  order, so backward meets those points in exactly the reverse order, skipping the ones that
+  got no gradient on this rank. Reaching a point, the schedule first runs the skipped points
+  after it, and the final callback runs the rest: every rank gathers and reduces every unit
+  at the same place in the sequence; a unit with no gradient here reduces zeros flagged as
+  absent ([Note: unused gradients] in unit.py), so it reduces in lockstep.
 """
 
 from __future__ import annotations
@@ -24,6 +42,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from .lockstep import Groups
 
 
 class ShardedState(enum.Enum):
@@ -107,33 +127,104 @@ class Schedule(Generic[U]):
         self.prefetches = 0
         self.most_gathers = 0
         self.most_reduces = 0
+        # [Note: lockstep]: the groups of sibling units (set at the first forward), the
+        # last member each group reached this step (-1: none), the backward points this
+        # forward recorded ("pre"/"post", unit), and how far backward has come through them.
+        self.groups: Groups[U] = Groups()
+        self.cursor: list[int] = []
+        self.points: list[tuple[str, U]] = []
+        self.reached = 0
+        self.generation = 0
+        self.grad = False
+        self.reduced: set[int] = set()
 
     # --- forward ------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         self.state = TrainingState.FORWARD
         self.order_now = []
+        self.cursor = [-1] * len(self.groups.members)
+        self.points = []
+        self.generation += 1
 
-    def pre_forward(self, unit: U) -> None:
-        """`unit` is about to compute: its parameters must be there; the next one's may come."""
+    def pre_forward(self, unit: U, grad: bool = False) -> tuple[int, int] | None:
+        """`unit` is about to compute: its parameters must be there; the next one's may come.
+
+        `grad`: a backward may follow (grad mode). Returns the token of the unit's
+        post-backward point ([Note: lockstep]) for `post_backward`, or None.
+        """
+        self.grad = grad
+        self._enter_groups(unit)
+        return self._pre_forward(unit)
+
+    def _pre_forward(self, unit: U) -> tuple[int, int] | None:
         unit.training_state = TrainingState.FORWARD
         self.order_now.append(unit)
         unit.wait_unshard()
-        if not self.prefetch or not self.order:
-            return
         pos = len(self.order_now) - 1
-        if pos >= len(self.order) or self.order[pos] is not unit:
-            return  # order changed this step: no guessing
-        if pos + 1 < len(self.order):
+        if (self.prefetch and self.order and pos < len(self.order)
+                and self.order[pos] is unit and pos + 1 < len(self.order)):
+            # (An order that changed this step: no guessing.)
             self._prefetch(self.order[pos + 1])
+        return self._point("post", unit, self.grad)
 
-    def post_forward(self, unit: U) -> None:
+    def _point(self, kind: str, unit: U, grad: bool) -> tuple[int, int] | None:
+        if not grad:
+            return None
+        self.points.append((kind, unit))
+        return (self.generation, len(self.points) - 1)
+
+    def post_forward(self, unit: U, hooked: bool = False) -> tuple[int, int] | None:
+        """`unit`'s forward is over. `hooked`: its outputs carry pre-backward hooks; returns
+        the token of that pre-backward point."""
+        for g in self.groups.closes.get(id(unit), ()):
+            self._close(g)
+        return self._post_forward(unit, hooked)
+
+    def _post_forward(self, unit: U, hooked: bool) -> tuple[int, int] | None:
         if unit.reshards_after_forward:
             unit.reshard()
         unit.training_state = TrainingState.IDLE
+        return self._point("pre", unit, hooked)
+
+    # --- groups ([Note: lockstep]) ------------------------------------------------------
+
+    def _enter_groups(self, unit: U) -> None:
+        if not self.cursor:
+            return
+        inside = self.groups.inside.get(id(unit), frozenset())
+        for g, at in enumerate(self.cursor):
+            if at >= 0 and g not in inside:
+                self._close(g)  # left the group's container: visit the members it skipped
+        member = self.groups.member_of.get(id(unit))
+        if member is None:
+            return
+        g, k = member
+        if k <= self.cursor[g]:
+            self._close(g)  # the container runs again (a second call): a new round
+        for j in range(self.cursor[g] + 1, k):
+            self._visit(self.groups.members[g][j])
+        self.cursor[g] = k
+
+    def _close(self, g: int) -> None:
+        if self.cursor[g] < 0:
+            return  # not entered in this round
+        members = self.groups.members[g]
+        for j in range(self.cursor[g] + 1, len(members)):
+            self._visit(members[j])
+        self.cursor[g] = -1
+
+    def _visit(self, unit: U) -> None:
+        """What a member this rank skipped does on the others: gather, reshard, record."""
+        self._pre_forward(unit)
+        self._post_forward(unit, hooked=self.grad)
 
     def end_forward(self, backward_follows: bool) -> None:
         """The root's forward is over. Without a backward to come nothing stays gathered."""
+        for g in range(len(self.cursor)):
+            self._close(g)
+        self.reached = len(self.points)
+        self.reduced = set()
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:
             self.order = list(self.order_now)
             self._index = {id(u): i for i, u in enumerate(self.order)}
@@ -146,8 +237,12 @@ class Schedule(Generic[U]):
 
     # --- backward -----------------------------------------------------------------------
 
-    def pre_backward(self, unit: U) -> None:
+    def pre_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
         """`unit`'s backward is about to run (once per gradient reaching its outputs)."""
+        self._reach(token, "pre", unit)
+        self._pre_backward(unit)
+
+    def _pre_backward(self, unit: U) -> None:
         self.state = TrainingState.PRE_BACKWARD
         unit.training_state = TrainingState.PRE_BACKWARD
         if _unshards_in_backward(unit):
@@ -158,8 +253,13 @@ class Schedule(Generic[U]):
         if i is not None and i > 0 and _unshards_in_backward(self.order[i - 1]):
             self._prefetch(self.order[i - 1])
 
-    def post_backward(self, unit: U) -> None:
+    def post_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
         """`unit`'s backward is over: hand its gradients on, then reshard."""
+        self._reach(token, "post", unit)
+        self._post_backward(unit)
+
+    def _post_backward(self, unit: U) -> None:
+        self.reduced.add(id(unit))
         unit.training_state = TrainingState.POST_BACKWARD
         for pr in unit.reduce_grads():
             self.pending.append(pr)
@@ -172,11 +272,15 @@ class Schedule(Generic[U]):
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
         that need no gradient), wait for every reduction, reshard everything."""
-        # Reverse forward order is the order the units' post-backward would have run.
+        self._reach_point(-1)
+        # Units no recorded point covers (a forward outside grad mode, a recomputation):
+        # reverse forward order is the order their post-backward would have run.
         seen = {id(u) for u in self.order}
         for u in list(reversed(self.order)) + [u for u in self.units if id(u) not in seen]:
+            if id(u) in self.reduced:
+                continue
             if u.state is not ShardedState.SHARDED or u.has_unreduced_grads():
-                self.post_backward(u)
+                self._post_backward(u)
         while self.pending:
             self.pending.popleft().finish()
         for u in self.units:
@@ -184,6 +288,25 @@ class Schedule(Generic[U]):
                 u.reshard()
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
+        self.reduced = set()  # a second backward of the same graph starts afresh
+
+    def _reach(self, token: tuple[int, int] | None, kind: str, unit: U) -> None:
+        """Backward reached a recorded point: first run the later points it skipped."""
+        if token is None or token[0] != self.generation:
+            return  # a forward before the last one, or not recorded: act on it alone
+        pos = token[1]
+        if pos < self.reached and self.points[pos] == (kind, unit):
+            self._reach_point(pos)
+
+    def _reach_point(self, pos: int) -> None:
+        while self.reached - 1 > pos:
+            self.reached -= 1
+            kind, u = self.points[self.reached]
+            if kind == "pre":
+                self._pre_backward(u)
+            else:
+                self._post_backward(u)
+        self.reached = max(pos, 0)
 
     # --- prefetch -----------------------------------------------------------------------
 

@@ -351,9 +351,10 @@ class Unit:
             for g in self.buckets:
                 if not g.grad_params:
                     continue
+                # Reduced even when this rank has no gradient at all: another rank may have
+                # one, and the schedule calls this at the same point on every rank
+                # ([Note: lockstep] in schedule.py).
                 grads = [p.local_grad() for p in g.grad_params]
-                if all(x is None for x in grads):
-                    continue  # not used in this backward (the same on every rank)
                 if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
                     continue  # one rank, no casts: the gradients already are the result
                 start = now()

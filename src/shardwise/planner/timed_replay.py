@@ -37,6 +37,8 @@ class _TimedUnit:
         self.training_state = TrainingState.IDLE
         self.is_root = i == 0
         self.reshard_after_forward = reshard_after_forward
+        # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
+        self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
         self.ready = 0.0  # when this unit's all-gather completes
         self.unreduced = False

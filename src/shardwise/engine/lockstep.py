@@ -1,0 +1,70 @@
+"""Groups of sibling units that data may skip, and where their rounds end ([Note: lockstep]).
+
+A *group* is the units that are direct children of one `nn.ModuleList` or `nn.ModuleDict`
+(the experts of a mixture-of-experts layer, each sharded as its own unit), when the module
+holding that container is not itself a unit. A rank whose routing sends no token to expert 3
+never calls it; the schedule (schedule.py) visits it in container order instead, so every
+rank gathers and reduces every member at the same point.
+
+Containers held directly by a unit (the root's `blocks`, whose order a model may change
+from step to step) are left alone: their members are expected to run on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from torch import nn
+
+U = TypeVar("U")
+
+
+@dataclass
+class Groups(Generic[U]):
+    # Members of each group, in container order.
+    members: list[list[U]] = field(default_factory=list)
+    # id(unit) -> (group, index in it).
+    member_of: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # id(unit) -> the groups whose container holds the unit (itself a member, or below one).
+    inside: dict[int, frozenset[int]] = field(default_factory=dict)
+    # id(unit) -> the groups whose container lies inside the unit's module: they end when
+    # the unit's forward ends.
+    closes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def find_groups(tops: list[nn.Module], units: list[U],
+                modules_of: dict[int, list[nn.Module]]) -> Groups[U]:
+    """The groups of `units` (all under the modules `tops`); `modules_of[id(unit)]` is the
+    unit's module (several for FSDP2's list form)."""
+    unit_at = {id(m): u for u in units for m in modules_of[id(u)]}
+    groups: Groups[U] = Groups()
+    containers: list[nn.Module] = []
+    for top in tops:
+        named = dict(top.named_modules())
+        for name, c in named.items():
+            if not isinstance(c, (nn.ModuleList, nn.ModuleDict)) or not name:
+                continue
+            holder = named[name.rpartition(".")[0]]
+            if id(holder) in unit_at:
+                continue
+            members: list[U] = []
+            for m in c.children():
+                u = unit_at.get(id(m))
+                if u is not None and all(u is not x for x in members):
+                    members.append(u)
+            if len(members) < 2:
+                continue
+            g = len(groups.members)
+            groups.members.append(members)
+            containers.append(c)
+            for k, u in enumerate(members):
+                groups.member_of[id(u)] = (g, k)
+    below = [{id(m) for m in c.modules()} for c in containers]
+    for u in units:
+        mine = modules_of[id(u)]
+        groups.inside[id(u)] = frozenset(g for g, ids in enumerate(below)
+                                         if any(id(m) in ids for m in mine))
+        inner = {id(x) for m in mine for x in m.modules()}
+        groups.closes[id(u)] = tuple(g for g, c in enumerate(containers) if id(c) in inner)
+    return groups
