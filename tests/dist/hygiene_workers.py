@@ -85,3 +85,22 @@ def fp16_reduction_stays_finite(rank: int, world: int) -> dict[str, float]:
     (m(torch.ones(1, 4, dtype=torch.float16)).float() * 3e4).sum().backward()
     g = m.weight.grad.to_local() if hasattr(m.weight.grad, "to_local") else m.weight.grad
     return {"finite": float(torch.isfinite(g).all()), "worst": (g - 3e4).abs().max().item()}
+
+
+def no_sync_backward_events(rank: int, world: int) -> dict[str, int]:
+    """Under no_sync, each unit reports its backward once per backward."""
+    from shardwise.observe.sinks import ListSink, attach_sink
+
+    m = _mlp()
+    sw.fully_shard(m[0])
+    sw.fully_shard(m[2])  # its input needs a gradient: its post-backward runs in backward
+    sw.fully_shard(m)
+    sink = ListSink()
+    attach_sink(m, sink)
+    with sw.no_sync(m):
+        m(torch.randn(4, 5)).sum().backward()
+    counts: dict[str, int] = {}
+    for e in sink.events:
+        if e.phase == "backward":
+            counts[e.unit] = counts.get(e.unit, 0) + 1
+    return counts

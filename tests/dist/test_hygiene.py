@@ -27,3 +27,8 @@ def test_fp16_reduction_divides_before_and_after_the_sum(world: int) -> None:
     # two that the pack divides exactly).
     for r in run_distributed(H.fp16_reduction_stays_finite, world):
         assert r["finite"] == 1.0 and r["worst"] <= 30.0, r
+
+
+def test_no_sync_reports_each_backward_once() -> None:
+    for counts in run_distributed(H.no_sync_backward_events, 2):
+        assert counts and set(counts.values()) == {1}, counts
