@@ -7,7 +7,7 @@
 
 Each launch is `torchrun --standalone --nproc-per-node N benchmarks/exit_user_script.py`:
 shard, 3 steps, one save_checkpoint, one full_state_dict, then the script simply ends
-(see [Note: gloo teardown] in shardwise/engine/process_group.py). Every non-zero exit is
+(see [Note: gloo teardown] in shardwise/engine/comm/process_group.py). Every non-zero exit is
 counted and its signal named (-6 / SIGABRT is the gloo exit race). `--tp N` trains the
 trainer's GPT with its tensor-parallel plan on a (nproc/N, N) mesh instead. `--src` puts another
 checkout's sources first on the path, to measure the rate before a fix side by side.

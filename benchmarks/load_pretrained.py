@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import shardwise as sw
-from shardwise.engine import collectives as C
+from shardwise.engine.comm import collectives as C
 from shardwise.testing import run_distributed
 
 METHODS = ("load_pretrained", "from_pretrained", "rank0_load_full_state_dict",

@@ -9,8 +9,8 @@ from .checkpoint.manifest import CheckpointError
 from .checkpoint.pretrained import LoadResult, load_pretrained
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
+from .engine.comm.distributed import init_distributed, no_sync
 from .engine.debug import CollectiveError, CollectiveMismatchError, set_debug
-from .engine.distributed import init_distributed, no_sync
 from .engine.fully_shard import ShardedModule, fully_shard, shard_model
 from .engine.grad_norm import clip_grad_norm_
 from .engine.materialize import materialize

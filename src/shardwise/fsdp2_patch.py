@@ -19,7 +19,7 @@ FSDP2's function, so FSDP2 still works on the modules it shards.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -64,11 +64,20 @@ def _bindings() -> Iterator[tuple[Any, str, Any, Any]]:
                 yield mod, attr, pair[0], pair[1]
 
 
+def _import_homes() -> None:
+    """Import torch's FSDP2 homes (fixed names, statically: no dynamic imports in the
+    library) so that their bindings can be swapped."""
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.fsdp._fully_shard  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # an older alias, gone in some releases
+        import torch.distributed._composable.fsdp  # noqa: F401
+
+
 def patch_fsdp2() -> Callable[[], None]:
     """Make FSDP2's `fully_shard`, `register_fsdp_forward_method` and `share_comm_ctx` be
     shardwise's everywhere they are bound; return the undo."""
-    for home in _TORCH_HOMES:
-        importlib.import_module(home)
+    _import_homes()
     swapped = list(_bindings())
     for mod, attr, _, ours in swapped:
         setattr(mod, attr, ours)

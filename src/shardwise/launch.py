@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .engine.distributed import free_port
+from .engine.comm.distributed import free_port
 
 log = logging.getLogger(__name__)
 
@@ -242,14 +242,14 @@ def _run_then_finish(tmp: str, expected: dict[type[BaseException], int],
     A failure is written to `tmp/rank{r}.json` for the launcher, and the process ends at
     once (no traceback on the console, no interpreter teardown that could wait on a
     collective another rank will never join). See [Note: gloo teardown] in
-    shardwise.engine.process_group: a worker process that exits straight after its last
+    shardwise.engine.comm.process_group: a worker process that exits straight after its last
     collective can abort.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_parent_death_signal()
     try:
         value = fn(*args)
-        from .engine import collectives
+        from .engine.comm import collectives
 
         collectives.finish()
         return value

@@ -51,7 +51,7 @@ def materialize_seed_and_buffers(rank: int, world: int) -> None:
     sw.shard_model(m, sharding_strategy="NO_SHARD", auto_wrap_policy=None)
     sw.materialize(m)
     sd = sw.full_state_dict(m)
-    from shardwise.engine import collectives as C
+    from shardwise.engine.comm import collectives as C
 
     for k, v in sd.items():
         mine = v.clone()

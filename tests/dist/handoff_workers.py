@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine import process_group as PG
+from shardwise.engine.comm import process_group as PG
 
 _OPS = ("all_reduce", "broadcast", "all_to_all_single", "all_gather_into_tensor",
         "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "all_gather",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine import collectives as C
+from shardwise.engine.comm import collectives as C
 
 Batch = tuple[torch.Tensor, ...]
 

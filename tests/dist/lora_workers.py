@@ -9,7 +9,7 @@ import os
 import torch
 
 import shardwise as sw
-from shardwise.engine import collectives as C
+from shardwise.engine.comm import collectives as C
 
 
 def _lora(folder: str | None = None):  # -> the peft model, sharded, still on meta

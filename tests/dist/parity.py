@@ -17,7 +17,7 @@ STEPS = 3
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full gradients of a sharded model, gathered (test-only, through all_gather)."""
-    from shardwise.engine import collectives as C
+    from shardwise.engine.comm import collectives as C
     from shardwise.engine.inspect import named_sharded_params
 
     out = {}

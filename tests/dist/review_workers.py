@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import shardwise as sw
-from shardwise.engine import collectives as C
+from shardwise.engine.comm import collectives as C
 from shardwise.engine.tp import TPParam
 
 # SEQ and HIDDEN divide by tp (torch's TP styles infer global shapes from even local

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import shardwise as sw
-from shardwise.engine import collectives as C
+from shardwise.engine.comm import collectives as C
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 11, 8, 4, 12, 5
 PER_RANK = 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from .systems import SYSTEMS, model_state_bytes
 
 

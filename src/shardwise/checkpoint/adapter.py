@@ -16,8 +16,8 @@ import shutil
 import torch
 from torch import nn
 
-from ..engine import collectives as C
 from ..engine.checks import check_module, check_path
+from ..engine.comm import collectives as C
 from .state_dict import gather_full
 from .sync import agreed, as_error
 

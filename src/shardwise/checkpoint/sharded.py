@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module, check_path
+from ..engine.comm import collectives as C
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.inspect import units_of
 from ..engine.sharded_param import ShardedParam

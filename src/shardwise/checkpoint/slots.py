@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from ..engine.dtensor import local_of
 from ..engine.inspect import named_sharded_params
 from ..engine.sharded_param import ShardedParam

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..engine import collectives as C
 from ..engine.checks import check_bool, check_module
+from ..engine.comm import collectives as C
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.sharded_param import ShardedParam
 from .slots import set_plain

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from .manifest import CheckpointError, CheckpointNotFoundError
 
 _KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError,

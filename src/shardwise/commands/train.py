@@ -118,7 +118,7 @@ def worker(cfg: C.Config) -> dict[str, Any]:
     except NonFiniteError as e:
         # Raised on every rank alike: a clean end with an exit status, not a traceback per
         # rank (and, with --nproc, not a restart that would only diverge again).
-        from ..engine import collectives
+        from ..engine.comm import collectives
 
         if collectives.rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
@@ -236,7 +236,7 @@ def _under_torchrun(argv: list[str]) -> int:
     status 2 on every rank (torchrun itself then reports the failed workers).
     """
     import shardwise as sw
-    from shardwise.engine import collectives
+    from shardwise.engine.comm import collectives
 
     rank, _, _ = sw.init_distributed()
     answer: dict[str, Any] = {}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives as C
+from .comm import collectives as C
 from .events import EventSink
 from .lockstep import find_groups
 from .schedule import Limits, Schedule, TrainingState

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from . import collectives as C
 from .checks import check_bool, check_module, check_number
+from .comm import collectives as C
 from .inspect import sharded_params, units_of
 
 

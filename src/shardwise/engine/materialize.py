@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from . import collectives as C
 from .checks import check_int, check_module
+from .comm import collectives as C
 from .inspect import sharded_params, units_of
 
 

@@ -12,10 +12,10 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
 from . import dtensor as DT
+from .comm import collectives as C
+from .comm.transport import Transport, transport_for
 from .policies import ShardingStrategy
-from .transport import Transport, transport_for
 
 
 @dataclass

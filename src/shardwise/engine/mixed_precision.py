@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import collectives as C
 from . import dtensor as DT
 from .checks import check_bool, check_int, check_module, check_number
+from .comm import collectives as C
 from .inspect import sharded_params, units_of
 from .policies import dtype_name
 

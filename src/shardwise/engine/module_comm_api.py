@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .checks import check_bool, check_int, check_number
-from .transport import CustomTransport
+from .comm.transport import CustomTransport
 
 # At run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a model's
 # class (typing.get_type_hints), and a sharded module's class inherits these.

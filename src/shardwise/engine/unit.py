@@ -20,16 +20,16 @@ if TYPE_CHECKING:
     from .context import ModelContext
     from .state import ShardwiseState
 
-from . import collectives as C
 from .buffers import BufferPool
+from .comm import collectives as C
+from .comm.transport import Transport
+from .comm.work import Work
 from .events import Event, Span, now
 from .mesh import MeshInfo
 from .pack import pack_grad, prescale
 from .policies import MixedPrecisionPolicy
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
-from .transport import Transport
-from .work import Work
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from ..engine.dtensor import local_of
 from ..engine.events import Event, now
 from .problem import LR, Problem, evaluate, make_model, make_problem, points_payload, rank_slice

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..engine.distributed import free_port
+from ..engine.comm.distributed import free_port
 from ..engine.policies import STRATEGY_NAMES as STRATEGIES
 from ..launch import workers_ignore_sigint
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from ..engine.events import COLLECTIVES, Event, now
 from .overlap import OverlapReport, StepOverlap, overlap_rows, step_windows
 from .sinks import attach_sink, detach_sink, set_step

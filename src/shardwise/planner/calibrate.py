@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 from .profiles import DeviceProfile, InterconnectProfile, cpu_device
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -231,7 +231,7 @@ def calibrate_in_group(matmul: tuple[int, int, int] = (1024, 1024, 1024),
 
 def _worker(matmul: tuple[int, int, int], attention: tuple[int, int, int, int],
             repeats: int) -> dict:
-    from ..engine.distributed import init_distributed
+    from ..engine.comm.distributed import init_distributed
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.buffers import BufferPool
+from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
-from ..engine.transport import gather_send_numel, kind_for, reduce_recv_numel
 from .memory import UnitCost, _size
 
 META = torch.device("meta")
@@ -106,7 +106,7 @@ class _SimUnit:
         if sim.S > 1:
             for dtype, chunk in self.cost.gather:
                 # As the engine: the output first, then the send buffer its transport sizes
-                # (engine/transport.py).
+                # (engine/comm/transport.py).
                 out = sim.get(chunk * sim.S, dtype)
                 n = gather_send_numel(sim.transport, chunk, sim.S)
                 send = sim.get(n, dtype) if n else None
@@ -156,7 +156,7 @@ class _SimUnit:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
                 # What the transport receives into before its local sum, held by the
-                # pending work (engine/transport.py).
+                # pending work (engine/comm/transport.py).
                 extra = reduce_recv_numel(sim.transport, n, sim.S) * rsize
             else:
                 send = None
@@ -197,7 +197,7 @@ class _Sim:
         self.S = shard_size
         self.acts = acts
         self.scratch = scratch  # gloo copies whole collective buffers while in flight
-        # The engine's transport for this group (gloo: scratch; engine/transport.py).
+        # The engine's transport for this group (gloo: scratch; engine/comm/transport.py).
         self.transport = kind_for(scratch, shard_size)
         self.t = _Tally()
         self.pool = BufferPool()

@@ -11,7 +11,7 @@ import torch
 
 import shardwise as sw
 
-from ..engine import collectives as Cm
+from ..engine.comm import collectives as Cm
 from . import data as D
 from . import rundir
 

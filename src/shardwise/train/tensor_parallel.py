@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..engine import collectives as C
+from ..engine.comm import collectives as C
 
 
 def local(w: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
 
-from ..engine import collectives as Cm
+from ..engine.comm import collectives as Cm
 from ..engine.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D

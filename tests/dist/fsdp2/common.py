@@ -231,8 +231,8 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
     all_gather: numel of this rank's send chunk; reduce_scatter: numel of this rank's output
     (the reduced shard); all_reduce/broadcast: numel of the tensor.
     """
-    from shardwise.engine import collectives as C
-    from shardwise.engine import transport as T
+    from shardwise.engine.comm import collectives as C
+    from shardwise.engine.comm import transport as T
 
     log: list[tuple[str, str, int, torch.dtype]] = []
     # Units move buffers through their group's transport object; other callers use C.

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..checks import check_module, check_number
+from ..inspect import units_of
 from . import collectives as C
-from .checks import check_module, check_number
-from .inspect import units_of
 
 DEFAULT_TIMEOUT_S = 300.0
 
