@@ -8,6 +8,7 @@ import torch
 from shardwise.engine.schedule import Limits
 from shardwise.planner.memory import UnitCost
 from shardwise.planner.profiles import InterconnectProfile
+from shardwise.planner.replay import replay_backward, replay_forward
 from shardwise.planner.simulate import StepActivations, _Sim
 from shardwise.planner.timed_replay import Replay
 from shardwise.planner.timing import Collective, Links, UnitWork, overlapped_step
@@ -24,12 +25,12 @@ def _cost(i: int) -> UnitCost:
 
 def _memory_log(reshard: bool, limits: Limits) -> list[tuple[str, int]]:
     sim = _Sim([_cost(i) for i in range(N)], 2, reshard, StepActivations(), True, limits)
-    sim.forward()
-    sim.backward()
-    sim.log.clear()  # the second step prefetches from the recorded order
-    sim.forward()
-    sim.backward()
-    return sim.log
+    replay_forward(sim.schedule, sim)
+    replay_backward(sim.schedule, sim)
+    sim.schedule.log = []  # the second step prefetches from the recorded order
+    replay_forward(sim.schedule, sim)
+    replay_backward(sim.schedule, sim)
+    return [(what, u.i) for what, u in sim.schedule.log]
 
 
 @pytest.mark.parametrize("reshard", [True, False])

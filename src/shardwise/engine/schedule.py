@@ -33,6 +33,15 @@ Two rules make the collectives independent of the data:
   after it, and the final callback runs the rest: every rank gathers and reduces every unit
   at the same place in the sequence; a unit with no gradient here reduces zeros flagged as
   absent ([Note: unused gradients] in unit.py), so it reduces in lockstep.
+
+[Note: decision log] With `Schedule.log` set to a list, the schedule appends every decision
+it takes, in order, as (what, unit): "gather" (an all-gather issued), "wait" (a gather waited
+for: the full parameters are there), "reshard", "reduce" (the unit's reductions issued) and
+"finish" (a pending reduction finished). They are read off the unit's state around each of
+the schedule's own calls, so one piece of code logs every executor alike: the engine's
+units and the planner's memory and time replays (tests/dist/test_schedule.py holds the
+engine's log against the time model's). Without a list (the default) a call pays one
+`is None` check.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .lockstep import Groups
 
@@ -85,6 +94,8 @@ DEFAULT_LIMITS = Limits()
 
 
 class PendingReduce(Protocol):
+    unit: Any  # the unit it reduces (named in the schedule's log)
+
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
 
@@ -137,6 +148,8 @@ class Schedule(Generic[U]):
         self.generation = 0
         self.grad = False
         self.reduced: set[int] = set()
+        # [Note: decision log] None: no log is kept (the engine's default; nothing is paid).
+        self.log: list[tuple[str, U]] | None = None
 
     # --- forward ------------------------------------------------------------------------
 
@@ -160,7 +173,7 @@ class Schedule(Generic[U]):
     def _pre_forward(self, unit: U) -> tuple[int, int] | None:
         unit.training_state = TrainingState.FORWARD
         self.order_now.append(unit)
-        unit.wait_unshard()
+        self._wait(unit)
         pos = len(self.order_now) - 1
         if (self.prefetch and self.order and pos < len(self.order)
                 and self.order[pos] is unit and pos + 1 < len(self.order)):
@@ -183,7 +196,7 @@ class Schedule(Generic[U]):
 
     def _post_forward(self, unit: U, hooked: bool) -> tuple[int, int] | None:
         if unit.reshards_after_forward:
-            unit.reshard()
+            self._reshard(unit)
         unit.training_state = TrainingState.IDLE
         return self._point("pre", unit, hooked)
 
@@ -232,7 +245,7 @@ class Schedule(Generic[U]):
             # A prefetch nobody used, or (no backward) anything.
             if u.state is ShardedState.GATHERING or (
                     not backward_follows and u.state is not ShardedState.SHARDED):
-                u.reshard()
+                self._reshard(u)
         self.state = TrainingState.IDLE
 
     # --- backward -----------------------------------------------------------------------
@@ -246,7 +259,7 @@ class Schedule(Generic[U]):
         self.state = TrainingState.PRE_BACKWARD
         unit.training_state = TrainingState.PRE_BACKWARD
         if _unshards_in_backward(unit):
-            unit.wait_unshard()
+            self._wait(unit)
         if not self.prefetch or not self.order:
             return
         i = self._index.get(id(unit))
@@ -261,13 +274,16 @@ class Schedule(Generic[U]):
     def _post_backward(self, unit: U) -> None:
         self.reduced.add(id(unit))
         unit.training_state = TrainingState.POST_BACKWARD
-        for pr in unit.reduce_grads():
+        reductions = unit.reduce_grads()
+        if reductions and self.log is not None:
+            self.log.append(("reduce", unit))
+        for pr in reductions:
             self.pending.append(pr)
             while len(self.pending) > self.limits.reduces:
-                self.pending.popleft().finish()
+                self._finish_oldest()
             self.most_reduces = max(self.most_reduces, len(self.pending))
         if unit.reshard_after_backward:
-            unit.reshard()
+            self._reshard(unit)
 
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
@@ -282,10 +298,10 @@ class Schedule(Generic[U]):
             if u.state is not ShardedState.SHARDED or u.has_unreduced_grads():
                 self._post_backward(u)
         while self.pending:
-            self.pending.popleft().finish()
+            self._finish_oldest()
         for u in self.units:
             if u.reshard_after_backward:
-                u.reshard()
+                self._reshard(u)
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
         self.reduced = set()  # a second backward of the same graph starts afresh
@@ -316,8 +332,47 @@ class Schedule(Generic[U]):
         in_flight = sum(1 for u in self.units if u.state is ShardedState.GATHERING)
         if in_flight < self.limits.gathers:
             unit.unshard(async_op=True)
+            if self.log is not None:
+                self.log.append(("gather", unit))
             self.prefetches += 1
             self.most_gathers = max(self.most_gathers, in_flight + 1)
+
+
+    # --- acting on a unit ([Note: decision log]) ----------------------------------------
+
+    def _wait(self, unit: U) -> None:
+        before = unit.state
+        unit.wait_unshard()
+        if self.log is not None:
+            self._record(unit, before)
+
+    def _reshard(self, unit: U) -> None:
+        before = unit.state
+        unit.reshard()
+        if self.log is not None:
+            self._record(unit, before)
+
+    def _finish_oldest(self) -> None:
+        pr = self.pending.popleft()
+        pr.finish()
+        if self.log is not None:
+            self.log.append(("finish", pr.unit))
+
+    def _record(self, unit: U, before: ShardedState) -> None:
+        """Log the steps one call took `unit` through, around the cycle sharded -> gathering
+        -> unsharded -> sharded: a wait on a sharded unit gathered first, a reshard of a
+        gathering one waited first."""
+        assert self.log is not None
+        state = before
+        while state is not unit.state:
+            what, state = _STEPS[state]
+            self.log.append((what, unit))
+
+
+# [Note: decision log] Each state transition the schedule causes is one decision.
+_STEPS = {ShardedState.SHARDED: ("gather", ShardedState.GATHERING),
+          ShardedState.GATHERING: ("wait", ShardedState.UNSHARDED),
+          ShardedState.UNSHARDED: ("reshard", ShardedState.SHARDED)}
 
 
 def _unshards_in_backward(unit: ScheduledUnit) -> bool:

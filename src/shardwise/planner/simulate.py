@@ -4,7 +4,7 @@ Peaks come from *when* things are alive, not from adding every term: at the end 
 all activations exist but no gradients; by the end of backward the reverse. So this replays
 the engine's own schedule (engine/schedule.py: the same `Schedule` object the engine's hooks
 drive, over units that count bytes instead of moving them) unit by unit, with the engine's
-own `BufferPool` on the meta device doing the pool's bookkeeping. The loop below only says
+own `BufferPool` on the meta device doing the pool's bookkeeping. replay.py's walk only says
 where the step is, as the hooks do; prefetching, limits, resharding and draining are the
 schedule's:
 
@@ -28,8 +28,9 @@ import torch
 
 from ..engine.buffers import BufferPool
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
-from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
+from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
 from .memory import UnitCost, _size
+from .replay import ReplayUnit, replay_backward, replay_forward
 
 META = torch.device("meta")
 
@@ -84,68 +85,44 @@ class _Tally:
         return p
 
 
-class _SimUnit:
-    """A unit as the schedule sees it (engine/schedule.py `ScheduledUnit`), counting bytes."""
+class _SimUnit(ReplayUnit):
+    """A unit that counts bytes (replay.py's `ReplayUnit`)."""
 
     def __init__(self, sim: _Sim, i: int, reshard_after_forward: bool) -> None:
-        self.sim, self.i, self.cost = sim, i, sim.costs[i]
-        self.state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
-        self.is_root = i == 0
-        self.reshard_after_forward = reshard_after_forward
-        # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
-        self.reshards_after_forward = reshard_after_forward and not self.is_root
-        self.reshard_after_backward = True
+        super().__init__(i, reshard_after_forward)
+        self.sim, self.cost = sim, sim.costs[i]
         self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        self.unreduced = False  # full gradients exist that were not reduced yet
 
-    def unshard(self, async_op: bool = True) -> None:
-        if self.state is not ShardedState.SHARDED:
-            return
+    def _issue_gather(self) -> None:
         sim = self.sim
-        if sim.S > 1:
-            for dtype, chunk in self.cost.gather:
-                # As the engine: the output first, then the send buffer its transport sizes
-                # (engine/comm/transport.py).
-                out = sim.get(chunk * sim.S, dtype)
-                n = gather_send_numel(sim.transport, chunk, sim.S)
-                send = sim.get(n, dtype) if n else None
-                if sim.scratch:
-                    # gloo gathers into a flat output of its own and copies it out: a copy
-                    # that lives while the all-gather runs, which is right after issue.
-                    extra = chunk * sim.S * _size(dtype)
-                    sim.t.add(extra, "comm")
-                    sim.t.add(-extra, "comm")
-                self.gathers.append((send, out))
-        sim.log.append(("gather", self.i))
-        self.state = ShardedState.GATHERING
-
-    def wait_unshard(self) -> None:
-        if self.state is ShardedState.UNSHARDED:
+        if sim.S == 1:
             return
-        self.unshard()
+        for dtype, chunk in self.cost.gather:
+            # As the engine: the output first, then the send buffer its transport sizes
+            # (engine/comm/transport.py).
+            out = sim.get(chunk * sim.S, dtype)
+            n = gather_send_numel(sim.transport, chunk, sim.S)
+            send = sim.get(n, dtype) if n else None
+            if sim.scratch:
+                # gloo gathers into a flat output of its own and copies it out: a copy
+                # that lives while the all-gather runs, which is right after issue.
+                extra = chunk * sim.S * _size(dtype)
+                sim.t.add(extra, "comm")
+                sim.t.add(-extra, "comm")
+            self.gathers.append((send, out))
+
+    def _gathered(self) -> None:
         self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
         for send, out in self.gathers:
             if send is not None:
                 self.sim.release(send)
             self.sim.release(out)
         self.gathers.clear()
-        self.sim.log.append(("wait", self.i))
-        self.state = ShardedState.UNSHARDED
 
-    def reshard(self) -> None:
-        if self.state is ShardedState.SHARDED:
-            return
-        self.wait_unshard()
+    def _freed(self) -> None:
         self.sim.t.add(-self.cost.unsharded_bytes, "unsharded")
-        self.sim.log.append(("reshard", self.i))
-        self.state = ShardedState.SHARDED
 
-    def has_unreduced_grads(self) -> bool:
-        return self.unreduced
-
-    def reduce_grads(self) -> Sequence[_SimReduce]:
-        self.unreduced = False
+    def _issue_reduce(self) -> Sequence[_SimReduce]:
         c, sim = self.cost, self.sim
         if not c.reduce:
             return ()
@@ -167,7 +144,6 @@ class _SimUnit:
             parts.append((send, out, extra, kept))
         if not c.direct:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
-        sim.log.append(("reduce", self.i))
         return (_SimReduce(self, parts),)
 
 
@@ -177,7 +153,6 @@ class _SimReduce:
 
     def finish(self) -> None:
         sim = self.unit.sim
-        sim.log.append(("finish", self.unit.i))
         for send, out, extra, kept in self.parts:
             if send is not None:
                 sim.release(send)
@@ -204,8 +179,6 @@ class _Sim:
         self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
         self.schedule: Schedule[_SimUnit] = Schedule(self.units, limits)
         self.grads_alive = 0
-        # Every schedule decision in order: what the time model's replay must match.
-        self.log: list[tuple[str, int]] = []
 
     # --- the pool, through the engine's own class -------------------------------------------
 
@@ -220,42 +193,34 @@ class _Sim:
         self.pool.release(buf)
         self.t.add(self.pool.allocated_bytes - before, "comm")
 
-    # --- phases: where the step is, as the engine's hooks report it -----------------------
+    # --- the step's work between the schedule's calls (replay.py's `StepWork`) -------------
 
-    def forward(self) -> None:
-        sched, a, units = self.schedule, self.acts, self.units
-        sched.begin_forward()
-        for u in units:  # the root's pre-hook runs first, its post-hook last
-            sched.pre_forward(u)
-            self.t.add(a.layer * u.cost.layers, "acts")
-            if not u.is_root:
-                sched.post_forward(u)
+    def forward(self, unit: _SimUnit) -> None:
+        self.t.add(self.acts.layer * unit.cost.layers, "acts")
+
+    def head_forward(self) -> None:
+        a = self.acts
         self.t.add(a.head, "acts")  # the root's head and loss run last
         self.t.add(a.head_transient, "acts")
         self.t.add(-a.head_transient, "acts")
-        sched.post_forward(units[0])
-        sched.end_forward(backward_follows=True)
 
-    def backward(self) -> None:
-        sched, a, units = self.schedule, self.acts, self.units
-        root = units[0]
+    def head_backward(self) -> None:
         # Loss and head: logits' gradients, the root's full gradients (head weight) appear.
-        sched.pre_backward(root)
-        self.t.add(root.cost.full_grad_bytes, "full_grads")
-        root.unreduced = True
+        a = self.acts
+        self.t.add(self.units[0].cost.full_grad_bytes, "full_grads")
         self.t.add(a.head_transient, "acts")
         self.t.add(-a.head_transient - a.head, "acts")
-        for u in reversed(units[1:]):
-            sched.pre_backward(u)
-            self._compute_backward(a.layer * u.cost.layers, a.layer_backward * u.cost.layers,
-                                   u.cost.full_grad_bytes)
-            u.unreduced = True
-            sched.post_backward(u)
-        # Blocks attributed to the root (no unit of their own) run inside its backward; the
-        # root's inputs need no gradient, so its reduction comes from the final callback.
+
+    def backward(self, unit: _SimUnit) -> None:
+        a = self.acts
+        self._compute_backward(a.layer * unit.cost.layers, a.layer_backward * unit.cost.layers,
+                               unit.cost.full_grad_bytes)
+
+    def root_backward(self) -> None:
+        # Blocks attributed to the root (no unit of their own) run inside its backward.
+        a, root = self.acts, self.units[0]
         self._compute_backward(a.layer * root.cost.layers, a.layer_backward * root.cost.layers,
                                0)
-        sched.end_backward()
 
     def _compute_backward(self, saved: int, transient: int, full_grads: int) -> None:
         """One unit's backward: its gradients in flight appear; as autograd walks back
@@ -288,9 +253,9 @@ def simulate(costs: list[UnitCost], *, shard_size: int, reshard_after_forward: b
     sim.t.mark()
     peaks = PhasePeaks()
     for first in (True, False):
-        sim.forward()
+        replay_forward(sim.schedule, sim)
         peaks.forward = max(peaks.forward, sim.t.mark())
-        sim.backward()
+        replay_backward(sim.schedule, sim)
         peaks.backward = max(peaks.backward, sim.t.mark())
         sim.step(first, optimizer_bytes, optimizer_temp_bytes)
         peaks.step = max(peaks.step, sim.t.mark())

@@ -2,17 +2,20 @@
 
 As the memory replay (simulate.py) counts bytes, this replay keeps two clocks: the compute
 stream (`comp`: the training thread) and the communication stream (`comm`: collectives run
-one after another in issue order). The units implement the schedule's `ScheduledUnit`
-protocol, so prefetching, the in-flight limits (`Limits`), resharding and the reduce drain are
-the engine's decisions (engine/schedule.py), not a copy of them. Every decision is logged in
-order (`Replay.log`), which is what the tests compare with the memory replay and the engine.
+one after another in issue order). The units are replay.py's `ReplayUnit`s and the step is
+replay.py's walk, so prefetching, the in-flight limits (`Limits`), resharding and the reduce
+drain are the engine's decisions (engine/schedule.py), not a copy of them. The schedule logs
+every decision in order ([Note: decision log]: `Replay.log`); `Replay.timeline` is when the
+communication stream ran each collective. tests/dist/test_schedule.py holds both against the
+engine's own log.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
+from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
+from .replay import ReplayUnit, replay_backward, replay_forward
 
 
 class _Reduce:
@@ -27,56 +30,30 @@ class _Reduce:
         r.comp = max(r.comp, self.done)
         if r.sync_all_reduce:  # HYBRID: the replica all-reduce runs on the training thread
             r.comp = r.issue("all_reduce", self.unit.i, r.comp)
-        r.log.append(("finish", self.unit.i))
 
 
-class _TimedUnit:
+class _TimedUnit(ReplayUnit):
+    """A unit that keeps time: its all-gather is done at `ready`."""
+
     def __init__(self, replay: Replay, i: int, reshard_after_forward: bool) -> None:
-        self.replay, self.i = replay, i
-        self.state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
-        self.is_root = i == 0
-        self.reshard_after_forward = reshard_after_forward
-        # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
-        self.reshards_after_forward = reshard_after_forward and not self.is_root
-        self.reshard_after_backward = True
-        self.ready = 0.0  # when this unit's all-gather completes
-        self.unreduced = False
+        super().__init__(i, reshard_after_forward)
+        self.replay = replay
+        self.ready = 0.0
 
-    def unshard(self, async_op: bool = True) -> None:
-        if self.state is not ShardedState.SHARDED:
-            return
-        r = self.replay
-        self.ready = r.issue("all_gather", self.i, r.comp)
-        r.log.append(("gather", self.i))
-        self.state = ShardedState.GATHERING
+    def _issue_gather(self) -> None:
+        self.ready = self.replay.issue("all_gather", self.i, self.replay.comp)
 
-    def wait_unshard(self) -> None:
-        if self.state is ShardedState.UNSHARDED:
-            return
-        self.unshard()
-        r = self.replay
-        r.comp = max(r.comp, self.ready)
-        r.log.append(("wait", self.i))
-        self.state = ShardedState.UNSHARDED
+    def _gathered(self) -> None:
+        self.replay.comp = max(self.replay.comp, self.ready)
 
-    def reshard(self) -> None:
-        if self.state is ShardedState.SHARDED:
-            return
-        self.wait_unshard()
-        self.replay.log.append(("reshard", self.i))
-        self.state = ShardedState.SHARDED
+    def _freed(self) -> None:
+        pass  # resharding frees memory; it takes no time worth counting
 
-    def has_unreduced_grads(self) -> bool:
-        return self.unreduced
-
-    def reduce_grads(self) -> Sequence[_Reduce]:
-        self.unreduced = False
+    def _issue_reduce(self) -> Sequence[_Reduce]:
         r = self.replay
         done = r.issue("reduce_scatter", self.i, r.comp)
         if not r.sync_all_reduce:
             done = r.issue("all_reduce", self.i, done)
-        r.log.append(("reduce", self.i))
         return (_Reduce(self, done),)
 
 
@@ -96,51 +73,55 @@ class Replay:
         self.sync_all_reduce = sync_all_reduce
         self.units = [_TimedUnit(self, i, reshard_after_forward) for i in range(len(forward_s))]
         self.schedule: Schedule[_TimedUnit] = Schedule(self.units, limits)
+        self.schedule.log = []
         self.comp = self.comm = 0.0
         self.phase = "forward"
-        self.log: list[tuple[str, int]] = []
+        # (kind, unit, start, end) of each collective the communication stream ran.
+        self.timeline: list[tuple[str, int, float, float]] = []
+
+    @property
+    def log(self) -> list[tuple[str, int]]:
+        """The schedule's decisions in order, units by index."""
+        return [(what, u.i) for what, u in self.schedule.log or ()]
 
     def issue(self, kind: str, unit: int, at: float) -> float:
         d = self.seconds(kind, unit, self.phase)
         if d <= 0:
             return at
-        self.comm = max(self.comm, at) + d
+        start = max(self.comm, at)
+        self.comm = start + d
+        self.timeline.append((kind, unit, start, self.comm))
         return self.comm
 
-    def forward(self) -> None:
-        s, units = self.schedule, self.units
-        self.phase = "forward"
-        s.begin_forward()
-        for u in units:  # the root's pre-hook runs first, its post-hook last
-            s.pre_forward(u)
-            if not u.is_root:
-                self.comp += self.fwd[u.i]
-                s.post_forward(u)
-        self.comp += self.fwd[0]  # the root's own work: embedding, head and loss
-        s.post_forward(units[0])
-        s.end_forward(backward_follows=True)
+    # --- the step's work between the schedule's calls (replay.py's `StepWork`) -------------
 
-    def backward(self) -> None:
-        s, units = self.schedule, self.units
-        self.phase = "backward"
-        root = units[0]
-        s.pre_backward(root)
+    def forward(self, unit: ReplayUnit) -> None:
+        if not unit.is_root:
+            self.comp += self.fwd[unit.i]
+
+    def head_forward(self) -> None:
+        self.comp += self.fwd[0]  # the root's own work: embedding, head and loss
+
+    def head_backward(self) -> None:
         self.comp += self.bwd[0] / 2  # loss and head
-        root.unreduced = True
-        for u in reversed(units[1:]):
-            s.pre_backward(u)
-            self.comp += self.bwd[u.i]
-            u.unreduced = True
-            s.post_backward(u)
+
+    def backward(self, unit: ReplayUnit) -> None:
+        self.comp += self.bwd[unit.i]
+
+    def root_backward(self) -> None:
         self.comp += self.bwd[0] / 2  # the embedding's gradient comes last
-        s.end_backward()
+
+    def _step(self) -> None:
+        self.phase = "forward"
+        replay_forward(self.schedule, self)
+        self.phase = "backward"
+        replay_backward(self.schedule, self)
 
     def step_seconds(self) -> float:
         """Seconds of the second step's forward and backward (the first records the order)."""
-        self.forward()
-        self.backward()
+        self._step()
         self.comp = self.comm = 0.0
-        self.log.clear()
-        self.forward()
-        self.backward()
+        self.timeline.clear()
+        self.schedule.log = []
+        self._step()
         return self.comp

@@ -177,17 +177,23 @@ def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
     decisions. `sync_all_reduce`: HYBRID's cross-replica all-reduce runs inside
     finish_reduce on the training thread, so compute waits for it.
     """
+    replay = step_replay(work, colls, links, sync_all_reduce, limits)
+    return replay.step_seconds() + optimizer_s
+
+
+def step_replay(work: UnitWork, colls: list[Collective], links: Links,
+                sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS) -> Replay:
+    """The time replay `overlapped_step` runs (not run yet): collectives priced by `links`."""
     by: dict[tuple[str, int, str], float] = {}
     for c in colls:
         key = (c.kind, c.unit, c.phase)
         by[key] = by.get(key, 0.0) + links.seconds(c)
     # Gathers are listed per phase; reductions are all "backward".
     reshard = any(c.kind == "all_gather" and c.phase == "backward" for c in colls)
-    replay = Replay(work.forward_s, work.backward_s,
-                    lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
-                    reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
-                    limits=limits)
-    return replay.step_seconds() + optimizer_s
+    return Replay(work.forward_s, work.backward_s,
+                  lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
+                  reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
+                  limits=limits)
 
 
 def serial_step(work: UnitWork, colls: list[Collective], links: Links,
