@@ -10,6 +10,7 @@ read again after the steps.
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
 import time
 
@@ -115,11 +116,52 @@ def states_case(rank: int, world: int, cfg_kw: dict, cases: list[tuple[str, str 
     return out
 
 
-def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
-                      steps: int, rounds: int = 5, clock: str = "cpu") -> dict:
-    """Peak RSS growth over `steps` steps vs the planned total, then (rounds > 0) step time
-    vs a calibrated plan, on the same model. Timing is for benchmarks/plan_vs_measured.py
-    only: a test sets rounds=0."""
+def copies_case(rank: int, world: int, cfg_kw: dict,
+                cases: list[tuple[str, str | None]]) -> list[dict]:
+    """For each (strategy, precision): bytes the engine copied locally in one training step
+    (`Unit.copied`, summed over units) beside the planner's rule ([Note: local copies])."""
+    from shardwise.engine.inspect import context_of
+    from shardwise.engine.policies import MixedPrecisionPolicy
+    from shardwise.planner.copies import step_copies, transport_of
+    from shardwise.planner.memory import unit_cost
+    from shardwise.planner.units import units_of_model
+
+    cfg = GPTConfig(**cfg_kw)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    out = []
+    for strategy, mp in cases:
+        model = _build(cfg, strategy, mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctx = context_of(model)
+        assert ctx is not None
+
+        def copied() -> dict[str, int]:
+            total: dict[str, int] = {}
+            for u in ctx.units:
+                for k, v in u.copied.items():
+                    total[k] = total.get(k, 0) + v
+            return total
+
+        _step(model, opt, _batch(cfg, rank, 2, 16))  # the first step records the order
+        before = copied()
+        _step(model, opt, _batch(cfg, rank, 2, 16))
+        engine = {k: v - before[k] for k, v in copied().items()}
+        mu = units_of_model(meta, "transformer", None)
+        costs = [unit_cost(u, world, rank, MixedPrecisionPolicy.parse(mp), False, False)
+                 for u in mu.units]
+        planned = step_copies(costs, shard_size=world, replicate_size=1,
+                              transport=transport_of(world, True),
+                              reshard_after_forward=strategy == "FULL_SHARD")
+        out.append({"case": f"{strategy}/{mp}", "rank": rank, "engine": engine,
+                    "planned": planned})
+        del model, opt
+    return out
+
+
+def rss_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
+             steps: int) -> dict:
+    """Peak RSS growth over `steps` steps vs the planned total."""
     follow_live_bytes(True)  # before anything large is allocated
     cfg = GPTConfig(**cfg_kw)
     with torch.device("meta"):
@@ -142,37 +184,79 @@ def rss_and_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
     hwm = status_kib("VmHWM") * 1024
     mem_plan = plan(meta, world_size=world, batch_size=batch, seq_len=seq,
                     device=cpu_device(ranks_per_node=world), rank=rank)
-    memory = {"rank": rank, "rss_growth": hwm - rss0, "exact_hwm": exact,
-              "planned_total": mem_plan.per_rank.total_bytes, "per_rank": mem_plan.per_rank}
-    if rounds == 0:
-        return memory
+    return {"rank": rank, "rss_growth": hwm - rss0, "exact_hwm": exact,
+            "planned_total": mem_plan.per_rank.total_bytes, "per_rank": mem_plan.per_rank}
 
-    # Calibrate, predict and time one step, back to back, several rounds: on a shared
-    # machine the load changes from second to second, so each step is judged against the
-    # calibration taken right before it; the median ratio is the verdict. The "cpu" clock
-    # counts the process's own CPU time, so other tenants' load does not count as ours.
-    follow_live_bytes(False)
-    _step(model, opt, idx)  # warm the heap for the timed steps
-    d = cfg.d_model
-    now = clock_of(clock)
-    ratios, rows = [], []
-    for _ in range(rounds):
-        cal = calibrate_in_group(matmul=(batch * seq, d, 4 * d), repeats=3, clock=clock,
-                                 attention=(batch, cfg.n_head, seq, d // cfg.n_head))
-        predicted = plan(meta, world_size=world, batch_size=batch, seq_len=seq,
-                         device=cal.device(), interconnect=cal.interconnect(), rank=rank).time
-        torch.distributed.barrier()
-        t0, w0 = now(), time.perf_counter()
+
+def _host_busy_s() -> float:
+    """CPU-seconds every tenant of the machine has run since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
+def step_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
+                   steps: int = 5, threads: int = 1, clock: str = "cpu") -> dict:
+    """One round of benchmarks/plan_vs_measured.py: calibrate this machine (every rank at
+    once, `clock`), plan the step, then time `steps` steps of the FULL_SHARD fp32 GPT.
+
+    `threads`: torch intra-op threads per rank (0: as `shardwise train` sets them, cores //
+    ranks). Each step's figures are the slowest rank's: wall seconds, and CPU seconds of
+    the process (all threads).
+    `others_cores`: cores the machine's other tenants used meanwhile (every tenant's CPU
+    time from /proc/stat, less ours): a round they took cores from is polluted in wall
+    time."""
+    from shardwise.planner.calibrate import _cores
+    from shardwise.planner.shape import shape_of_model
+    from shardwise.planner.units import units_of_model
+
+    threads = threads or max(1, _cores() // world)
+    torch.set_num_threads(threads)
+    follow_live_bytes(False)  # steps reuse warm pages, as training does
+    cfg = GPTConfig(**cfg_kw)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    model = _build(cfg, "FULL_SHARD", None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = _batch(cfg, rank, batch, seq)
+    for _ in range(2):  # the first step records the order, the second warms the heap
         _step(model, opt, idx)
-        t = torch.tensor([now() - t0, time.perf_counter() - w0], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the step's pace
-        ratios.append(t[0].item() / predicted.step_s)
-        rows.append({"measured_s": t[0].item(), "wall_s": t[1].item(),
-                     "predicted_s": predicted.step_s, "compute_s": predicted.compute_s,
-                     "comm_s": predicted.comm_s, "gflops": cal.flops["fp32"] / 1e9,
-                     "attention": cal.attention_efficiency,
-                     "elementwise_gbs": cal.elementwise_bandwidth / 1e9})
-    return {**memory, "time_ratio": statistics.median(ratios), "rounds": rows}
+    d, heads = cfg.d_model, cfg.n_head
+    largest = max(p.numel() for p in meta.parameters())
+    units = [4 * u.numel for u in units_of_model(meta, "transformer", None).units]
+    load = os.getloadavg()[0]
+    cal = calibrate_in_group(matmul=(batch * seq, d, 4 * d), repeats=3, clock=clock,
+                             attention=(batch, heads, seq, d // heads),
+                             block=shape_of_model(meta), optimizer_numel=-(-largest // world),
+                             collective_sizes=(min(units), max(units)))
+    dev = cal.device()
+    t = plan(meta, world_size=world, batch_size=batch, seq_len=seq, device=dev,
+             interconnect=cal.interconnect(), rank=rank).time
+    assert t is not None
+    now = clock_of(clock)
+    rows = []
+    torch.distributed.barrier()
+    busy0, mine0, wall0 = _host_busy_s(), time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        w0, c0 = time.perf_counter(), now()
+        _step(model, opt, idx)
+        x = torch.tensor([time.perf_counter() - w0, now() - c0], dtype=torch.float64)
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)  # the step's pace
+        rows.append(x.tolist())
+    span = time.perf_counter() - wall0
+    mine = torch.tensor([time.process_time() - mine0], dtype=torch.float64)
+    torch.distributed.all_reduce(mine)
+    others = (_host_busy_s() - busy0 - mine.item()) / span
+    k = dev.seconds_scale
+    return {
+        "rank": rank, "world": world, "threads": threads, "load": load,
+        "others_cores": others, "wall_s": statistics.median(r[0] for r in rows),
+        "cpu_s": statistics.median(r[1] for r in rows), "steps": rows,
+        "predicted_s": t.step_s, "predicted_cpu_s": t.step_s / k, "seconds_scale": k,
+        "parts_cpu_s": {"compute": t.compute_s / k, "comm": t.comm_s / k,
+                        "copies": t.copy_s / k, "optimizer": t.optimizer_s / k},
+        "calibration": cal.to_dict(),
+    }
 
 
 # A Llama with grouped-query attention (4 heads, 2 kv heads), a SwiGLU MLP and an untied

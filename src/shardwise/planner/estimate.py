@@ -8,6 +8,7 @@ import torch
 
 from ..engine.policies import dtype_name
 from . import timing as T
+from .copies import copy_seconds, step_copies, transport_of, unit_copies
 from .profiles import DeviceProfile, InterconnectProfile, interconnect_profile
 from .simulate import StepActivations
 from .units import ModelUnits
@@ -31,6 +32,7 @@ class TimeEstimate:
     tokens_per_s: float  # the whole job
     bound: str  # "compute" | "interconnect"
     verdict: str
+    copy_s: float = 0.0  # the engine's local copies ([Note: local copies])
 
 
 
@@ -68,14 +70,35 @@ def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: Devic
     work, model_flops, hw_flops = T.unit_work(costs, mu.shape, tokens, seq_len, dev, dname,
                                               act_per_unit, checkpointing)
     state_bytes = sum(c.state_bytes for c in costs)
-    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev, on_host=host_offload)
+    tensors = sum(c.state_params for c in costs)
+    optimizer_s = T.optimizer_seconds(opt, state_bytes, dev, on_host=host_offload,
+                                      tensors=tensors)
     offload_s = T.offload_seconds(costs, gathers=2 if reshard else 1) if host_offload else 0.0
+    transport = transport_of(S, dev.collective_scratch)
+    per_call = [unit_copies(c, S, R, transport) for c in costs]
+    copies = step_copies(costs, shard_size=S, replicate_size=R, transport=transport,
+                         reshard_after_forward=reshard)
+    copy_s = copy_seconds(sum(copies.values()), dev.memory_bandwidth)
+
+    def one_copy(kind: str, unit: int) -> float:
+        return copy_seconds(per_call[unit][kind], dev.memory_bandwidth)
+
     compute_s = sum(work.forward_s) + sum(work.backward_s)
     comm_s = sum(links.seconds(c) for c in colls)
     fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
-    overlap = T.overlapped_step(work, colls, links, fixed, sync_all_reduce=S > 1 and R > 1)
-    serial = T.serial_step(work, colls, links, fixed)
-    step = overlap if dev.overlap else serial
+    sync = S > 1 and R > 1
+    overlap = T.overlapped_step(work, colls, links, fixed, sync, copy_s=one_copy)
+    serial = T.serial_step(work, colls, links, fixed, copy_s)
+    # A device that does not overlap (a CPU's cores also run gloo) replays the schedule with
+    # the collectives on the training thread: the serial time, in the engine's order.
+    step = overlap if dev.overlap else (
+        T.step_replay(work, colls, links, sync, copy_s=one_copy, overlap=False)
+        .step_seconds() + fixed)
+    # [Note: CPU time]: rates timed in CPU time give CPU-seconds; the step is wall seconds.
+    k = dev.seconds_scale
+    compute_s, comm_s, optimizer_s, offload_s, copy_s = (
+        x * k for x in (compute_s, comm_s, optimizer_s, offload_s, copy_s))
+    overlap, serial, step, fixed = overlap * k, serial * k, step * k, fixed * k
     mfu = model_flops / (step * dev.peak_flops[dname])
     exposed = step - compute_s - fixed
     slow = links.inter if any(c.inter_node for c in colls) else links.intra
@@ -98,7 +121,7 @@ def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: Devic
         compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, offload_s=offload_s,
         step_s_overlap=overlap,
         step_s_serial=serial, step_s=step, mfu=mfu, tokens_per_s=tokens * world / step,
-        bound=bound, verdict=verdict)
+        bound=bound, verdict=verdict, copy_s=copy_s)
 
 
 def _gib(colls: list[T.Collective]) -> str:

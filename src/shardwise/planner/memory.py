@@ -63,6 +63,8 @@ class UnitCost:
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
     direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
+    cast_grad_bytes: reduced gradients copied into the master dtype or to the host (the rest
+      are views of the reduction's output).
     """
 
     name: str
@@ -79,11 +81,17 @@ class UnitCost:
     unsharded_bytes: int
     full_grad_bytes: int
     direct: bool
+    cast_grad_bytes: int = 0
 
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
-              mp: MixedPrecisionPolicy | None, host_offload: bool) -> UnitCost:
-    """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`."""
+              mp: MixedPrecisionPolicy | None, host_offload: bool,
+              plain: bool = True) -> UnitCost:
+    """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`.
+
+    plain: the sharded parameters are plain tensors (NO_SHARD without TP); False where they
+    are DTensors (every other strategy, on a one-rank mesh too), which are never direct.
+    """
     S, r = shard_size, shard_rank
     shard = state = state_params = largest = unsharded = full_grads = 0
     gather: dict[torch.dtype, int] = {}
@@ -101,8 +109,10 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         cdtype = mp.param_dtype if (mp and mp.param_dtype and p.dtype.is_floating_point) \
             else p.dtype
         csize = _size(cdtype)
-        # As ShardedParam: a 0-d parameter is never direct (forward must see shape ()).
-        direct = S == 1 and cdtype == p.dtype and not host_offload and len(p.shape) > 0
+        # As ShardedParam: a 0-d parameter is never direct (forward must see shape ()), nor
+        # a DTensor one (forward computes with a plain tensor).
+        direct = (S == 1 and cdtype == p.dtype and not host_offload and len(p.shape) > 0
+                  and plain)
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
         gather[cdtype] = gather.get(cdtype, 0) + C * row
@@ -138,6 +148,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
         unsharded_bytes=unsharded, full_grad_bytes=full_grads,
         direct=direct_all and bool(unit.spec.params),
+        cast_grad_bytes=sum(converted.values()),
     )
 
 

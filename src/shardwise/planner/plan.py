@@ -210,7 +210,9 @@ def plan_one(
     S, R = _layout(strategy, world_size, per_node)
     host_offload = offload and not (dev is not None and dev.is_cpu)
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    costs = [unit_cost(u, S, rank % S, mp, host_offload) for u in mu.units]
+    # [Note: DTensor parameters]: only NO_SHARD without TP keeps plain (maybe direct) ones.
+    plain = strategy is ShardingStrategy.NO_SHARD and tp == 1
+    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain) for u in mu.units]
     foreach = dev.optimizer_foreach if dev is not None else True
     states = model_states(costs, opt, foreach)
     act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32

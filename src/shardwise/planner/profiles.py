@@ -44,6 +44,11 @@ class DeviceProfile:
     elementwise_bandwidth: bytes/s of non-matmul layers (norms, GELU, residual adds);
       None: memory_bandwidth (GPUs: they are memory-bound). CPUs compute GELU slower than
       they stream memory, so calibration measures it.
+    optimizer_bandwidth: bytes/s per pass of the optimizer's elementwise work (timing.py's
+      OPTIMIZER_PASSES); None: memory_bandwidth. optimizer_tensor_s: the fixed seconds
+      each parameter tensor costs the step (Python and dispatch of torch's per-parameter
+      path); both measured by calibration.
+    seconds_scale: wall seconds per second of the rates above ([Note: CPU time]).
     """
 
     name: str
@@ -61,6 +66,9 @@ class DeviceProfile:
     is_cpu: bool = False
     attention_efficiency: float = 0.6
     elementwise_bandwidth: float | None = None
+    optimizer_bandwidth: float | None = None
+    optimizer_tensor_s: float = 0.0
+    seconds_scale: float = 1.0
 
     def flops(self, dtype_name: str) -> float:
         """Achievable matmul FLOP/s in `dtype_name`."""
@@ -137,9 +145,24 @@ INTERCONNECTS: dict[str, InterconnectProfile] = {
 ALIASES = {"nvlink": "nvlink4"}
 
 
+def cpu_seconds_scale(ranks: int, threads: int, cores: int) -> float:
+    """[Note: CPU time] Rates timed in CPU time (planner.calibrate's "cpu" clock: what the
+    work costs, whatever else runs on the machine) predict a step in CPU-seconds of one rank:
+    every thread of it, torch's intra-op threads spinning between kernels included. On a
+    machine of its own, a rank of `threads` threads runs `threads` CPU-seconds per second
+    while the ranks' threads fit the `cores`; beyond, the cores are shared evenly (3 ranks
+    of one thread on 2 cores: each gets two thirds of a core). Wall seconds per CPU-second:
+    max(ranks x threads, cores) / (cores x threads). 0 cores: unknown, taken as enough."""
+    if cores <= 0:
+        return 1.0 / max(threads, 1)
+    return max(ranks * threads, cores) / (cores * threads)
+
+
 def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: float = 1e10,
                ranks_per_node: int = 1, name: str = "cpu", attention_efficiency: float = 0.5,
-               elementwise_bandwidth: float | None = None) -> DeviceProfile:
+               elementwise_bandwidth: float | None = None,
+               optimizer_bandwidth: float | None = None, optimizer_tensor_s: float = 0.0,
+               seconds_scale: float = 1.0) -> DeviceProfile:
     """This machine's CPU running gloo. The default rates are placeholders: measure them
     with planner.calibrate (`shardwise plan --calibrate`)."""
     if not memory_bytes:
@@ -154,7 +177,9 @@ def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: flo
         # The ranks' own cores run gloo's copies, so communication does not hide; gloo
         # copies whole buffers; torch's optimizers take the per-parameter path on CPU.
         overlap=False, collective_scratch=True, optimizer_foreach=False, is_cpu=True,
-        attention_efficiency=attention_efficiency, elementwise_bandwidth=elementwise_bandwidth)
+        attention_efficiency=attention_efficiency, elementwise_bandwidth=elementwise_bandwidth,
+        optimizer_bandwidth=optimizer_bandwidth, optimizer_tensor_s=optimizer_tensor_s,
+        seconds_scale=seconds_scale)
 
 
 def _key(value: str) -> str:

@@ -28,6 +28,8 @@ class _Reduce:
         self.finished = True
         r = self.unit.replay
         r.comp = max(r.comp, self.done)
+        r.copy("reduce_sum", self.unit.i)
+        r.copy("reduce_out", self.unit.i)
         if r.sync_all_reduce:  # HYBRID: the replica all-reduce runs on the training thread
             r.comp = r.issue("all_reduce", self.unit.i, r.comp)
 
@@ -41,16 +43,21 @@ class _TimedUnit(ReplayUnit):
         self.ready = 0.0
 
     def _issue_gather(self) -> None:
-        self.ready = self.replay.issue("all_gather", self.i, self.replay.comp)
+        r = self.replay
+        r.copy("gather_in", self.i)
+        self.ready = r.issue("all_gather", self.i, r.comp)
 
     def _gathered(self) -> None:
-        self.replay.comp = max(self.replay.comp, self.ready)
+        r = self.replay
+        r.comp = max(r.comp, self.ready)
+        r.copy("gather_out", self.i)
 
     def _freed(self) -> None:
         pass  # resharding frees memory; it takes no time worth counting
 
     def _issue_reduce(self) -> Sequence[_Reduce]:
         r = self.replay
+        r.copy("pack", self.i)
         done = r.issue("reduce_scatter", self.i, r.comp)
         if not r.sync_all_reduce:
             done = r.issue("all_reduce", self.i, done)
@@ -63,13 +70,22 @@ class Replay:
     `seconds(kind, unit, phase)`: how long that unit's collectives of `kind` take in `phase`
     ("forward" | "backward"); 0 where there are none. `forward_s` / `backward_s`: compute per
     unit (index 0 is the root: its own work runs after the blocks in forward, half of its
-    backward before them, half after).
+    backward before them, half after). `copy_s(kind, unit)`: seconds of one of the unit's
+    local copies of `kind` (planner/copies.py's keys), on the training thread where the
+    engine makes it: copy-in as a gather is issued, copy-out when it is waited for, the
+    pack as a reduction is issued, the sum and casts when it finishes. `overlap=False`: a
+    collective runs on the training thread's cores (a CPU running gloo), so the compute
+    clock pays it as it is issued.
     """
 
     def __init__(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  seconds: Callable[[str, int, str], float], *, reshard_after_forward: bool,
-                 sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS) -> None:
+                 sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
+                 copy_s: Callable[[str, int], float] | None = None,
+                 overlap: bool = True) -> None:
         self.fwd, self.bwd, self.seconds = forward_s, backward_s, seconds
+        self.copy_s = copy_s
+        self.overlap = overlap
         self.sync_all_reduce = sync_all_reduce
         self.units = [_TimedUnit(self, i, reshard_after_forward) for i in range(len(forward_s))]
         self.schedule: Schedule[_TimedUnit] = Schedule(self.units, limits)
@@ -91,7 +107,13 @@ class Replay:
         start = max(self.comm, at)
         self.comm = start + d
         self.timeline.append((kind, unit, start, self.comm))
+        if not self.overlap:
+            self.comp = max(self.comp, self.comm)
         return self.comm
+
+    def copy(self, kind: str, unit: int) -> None:
+        if self.copy_s is not None:
+            self.comp += self.copy_s(kind, unit)
 
     # --- the step's work between the schedule's calls (replay.py's `StepWork`) -------------
 

@@ -15,6 +15,7 @@ schedule's `Limits`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.events import wire_bytes
@@ -169,21 +170,26 @@ def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int
 
 def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
                     optimizer_s: float, sync_all_reduce: bool,
-                    limits: Limits = DEFAULT_LIMITS) -> float:
+                    limits: Limits = DEFAULT_LIMITS,
+                    copy_s: Callable[[str, int], float] | None = None) -> float:
     """Seconds per step with communication on its own stream, in the engine's order.
 
     The order is the engine's own: its `Schedule` drives clock-keeping units
     (timed_replay.py), so prefetching, `limits` and the reduce drain are the engine's
     decisions. `sync_all_reduce`: HYBRID's cross-replica all-reduce runs inside
-    finish_reduce on the training thread, so compute waits for it.
+    finish_reduce on the training thread, so compute waits for it. `copy_s(kind, unit)`:
+    the seconds of the unit's local copies of each kind ([Note: local copies]).
     """
-    replay = step_replay(work, colls, links, sync_all_reduce, limits)
+    replay = step_replay(work, colls, links, sync_all_reduce, limits, copy_s)
     return replay.step_seconds() + optimizer_s
 
 
 def step_replay(work: UnitWork, colls: list[Collective], links: Links,
-                sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS) -> Replay:
-    """The time replay `overlapped_step` runs (not run yet): collectives priced by `links`."""
+                sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
+                copy_s: Callable[[str, int], float] | None = None,
+                overlap: bool = True) -> Replay:
+    """The time replay `overlapped_step` runs (not run yet): collectives priced by `links`.
+    `overlap=False`: the collectives take the training thread's cores (a CPU's gloo)."""
     by: dict[tuple[str, int, str], float] = {}
     for c in colls:
         key = (c.kind, c.unit, c.phase)
@@ -193,14 +199,15 @@ def step_replay(work: UnitWork, colls: list[Collective], links: Links,
     return Replay(work.forward_s, work.backward_s,
                   lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
                   reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
-                  limits=limits)
+                  limits=limits, copy_s=copy_s, overlap=overlap)
 
 
 def serial_step(work: UnitWork, colls: list[Collective], links: Links,
-                optimizer_s: float) -> float:
-    """Seconds per step when nothing overlaps: compute + every collective + optimizer."""
+                optimizer_s: float, copies_s: float = 0.0) -> float:
+    """Seconds per step when nothing overlaps: compute + every collective + local copies +
+    optimizer."""
     return (sum(work.forward_s) + sum(work.backward_s)
-            + sum(links.seconds(c) for c in colls) + optimizer_s)
+            + sum(links.seconds(c) for c in colls) + copies_s + optimizer_s)
 
 
 # CPU offload. The optimizer then steps in host memory: a server streams ~150-300 GB/s
@@ -212,9 +219,16 @@ PCIE_BANDWIDTH = 25e9
 
 
 def optimizer_seconds(optimizer: str, state_bytes: int, device: DeviceProfile,
-                      on_host: bool = False) -> float:
-    bw = HOST_OPTIMIZER_BANDWIDTH if on_host and not device.is_cpu else device.memory_bandwidth
-    return OPTIMIZER_PASSES[optimizer] * state_bytes / bw
+                      on_host: bool = False, tensors: int = 0) -> float:
+    """`OPTIMIZER_PASSES` over the local state at the device's optimizer rate, plus the
+    fixed cost of each of the `tensors` parameters it steps."""
+    if optimizer == "none":
+        return 0.0
+    if on_host and not device.is_cpu:
+        bw = HOST_OPTIMIZER_BANDWIDTH
+    else:
+        bw = device.optimizer_bandwidth or device.memory_bandwidth
+    return OPTIMIZER_PASSES[optimizer] * state_bytes / bw + tensors * device.optimizer_tensor_s
 
 
 def offload_seconds(costs: list[UnitCost], gathers: int) -> float:
