@@ -63,6 +63,8 @@ class UnitCost:
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
     direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
+    reduce_from: the compute dtype of each `reduce` group's gradients, in the same order
+      (the engine reduces a group in parts when it needs no cast: comm/transport.py).
     """
 
     name: str
@@ -79,6 +81,7 @@ class UnitCost:
     unsharded_bytes: int
     full_grad_bytes: int
     direct: bool
+    reduce_from: tuple[torch.dtype, ...] = ()
 
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
@@ -137,7 +140,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         shard_bytes=shard, grad_bytes=grads, state_bytes=state, state_params=state_params,
         largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
         unsharded_bytes=unsharded, full_grad_bytes=full_grads,
-        direct=direct_all and bool(unit.spec.params),
+        direct=direct_all and bool(unit.spec.params), reduce_from=tuple(grad_chunk),
     )
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.buffers import BufferPool
-from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
+from ..engine.comm.transport import gather_send_numel, kind_for, parts_kind, reduce_recv_numel
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule, ShardedState, TrainingState
 from .memory import UnitCost, _size
 
@@ -98,12 +98,18 @@ class _SimUnit:
         self.reshard_after_backward = True
         self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         self.unreduced = False  # full gradients exist that were not reduced yet
+        self.in_parts = False  # gathering in parts: the unsharded storage is counted
 
     def unshard(self, async_op: bool = True) -> None:
         if self.state is not ShardedState.SHARDED:
             return
         sim = self.sim
-        if sim.S > 1:
+        if sim.S > 1 and parts_kind(sim.transport):
+            # In parts ([Note: parameter messages]): the chunks arrive in the unsharded
+            # storage itself, allocated at issue; no flat output, no send buffer.
+            sim.t.add(self.cost.unsharded_bytes, "unsharded")
+            self.in_parts = True
+        elif sim.S > 1:
             for dtype, chunk in self.cost.gather:
                 # As the engine: the output first, then the send buffer its transport sizes
                 # (engine/comm/transport.py).
@@ -124,7 +130,9 @@ class _SimUnit:
         if self.state is ShardedState.UNSHARDED:
             return
         self.unshard()
-        self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        if not self.in_parts:
+            self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        self.in_parts = False
         for send, out in self.gathers:
             if send is not None:
                 self.sim.release(send)
@@ -150,9 +158,16 @@ class _SimUnit:
         if not c.reduce:
             return ()
         parts = []
-        for rdtype, n, kept in c.reduce:
+        held = False  # the full gradients stay until the reduction ends (sent in parts)
+        for (rdtype, n, kept), cdtype in zip(c.reduce, c.reduce_from or
+                                             [None] * len(c.reduce)):
             rsize = _size(rdtype)
-            if sim.S > 1:
+            if sim.S > 1 and parts_kind(sim.transport) and rdtype == cdtype \
+                    and rdtype != torch.float16:
+                # In parts: no pack; the receive buffer is pooled, as in engine/reduce.py.
+                send = sim.get(n, rdtype)
+                out, extra, held = n * rsize, 0, True
+            elif sim.S > 1:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
                 # What the transport receives into before its local sum, held by the
@@ -165,15 +180,15 @@ class _SimUnit:
             sim.t.add(out, "grads")
             sim.t.add(extra, "comm")
             parts.append((send, out, extra, kept))
-        if not c.direct:
+        if not c.direct and not held:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
         sim.log.append(("reduce", self.i))
-        return (_SimReduce(self, parts),)
+        return (_SimReduce(self, parts, held),)
 
 
 class _SimReduce:
-    def __init__(self, unit: _SimUnit, parts: list) -> None:
-        self.unit, self.parts = unit, parts
+    def __init__(self, unit: _SimUnit, parts: list, held: bool = False) -> None:
+        self.unit, self.parts, self.held = unit, parts, held
 
     def finish(self) -> None:
         sim = self.unit.sim
@@ -186,8 +201,9 @@ class _SimReduce:
             # cast back to the master dtype.
             sim.t.add(kept - out, "grads")
             sim.grads_alive += kept
-        if self.unit.cost.direct:
-            sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")  # replaced by the result
+        if self.unit.cost.direct or self.held:
+            # Replaced by the result, or sent from in parts until now.
+            sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
 
 
 class _Sim:
