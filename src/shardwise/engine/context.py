@@ -151,6 +151,8 @@ class ModelContext:
             pr.work.wait()
             if pr.send is not None:
                 pr.unit.pool.release(pr.send)
+            if getattr(pr, "pack", None) is not None:
+                pr.unit.pool.release(pr.pack)
         for u in self.units:
             u.reshard()
             for p in u.params:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .comm import collectives as C
-from .comm.transport import reduces_in_parts
+from .comm.transport import own_message, reduces_in_parts
 from .comm.work import Work
 from .events import Span, now
 from .pack import pack_grad, prescale
@@ -46,6 +46,8 @@ class PendingReduce:
     post: float = 1.0
     # Sent in parts ([Note: parameter messages]): the local sum ran inside the wait.
     parts: bool = False
+    # In parts: the pooled pack of small gradients and flags (both directions), or None.
+    pack: torch.Tensor | None = None
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
@@ -118,24 +120,43 @@ def _reduce_in_parts(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None]
     out = torch.empty(width, dtype=dtype, device=mesh.device)
     recv = unit.pool.get(width, dtype, mesh.device)
     sends, recvs, sums = [], [], []
-    for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
+    k = len(g.grad_params)
+    # Gradients too small for a message of their own, and the flags, travel in one pack:
+    # a slot of chunk_numel per such parameter (the peer's rows, zero-padded), then the flags.
+    small = [i for i, p in enumerate(g.grad_params)
+             if p.chunk_numel and not own_message(p.chunk_numel, dtype.itemsize)]
+    small_w = sum(g.grad_params[i].chunk_numel for i in small) + k
+    pack = unit.pool.get(2 * small_w, dtype, mesh.device)
+    s_send, s_recv = pack[:small_w], pack[small_w:]
+    slot = dict(zip(small, _offsets([g.grad_params[i].chunk_numel for i in small])))
+    for i, (p, off, grad) in enumerate(zip(g.grad_params, g.grad_offsets, grads)):
         flat = None if grad is None else grad.detach().reshape(-1)
         if flat is not None and not flat.is_contiguous():
             flat = flat.contiguous()
         p_start, p_len = _rows(p, peer)
         m_start, m_len = _rows(p, me)
-        if p_len:
-            sends.append(flat[p_start : p_start + p_len] if flat is not None
-                         else torch.zeros(p_len, dtype=dtype, device=mesh.device))
-        if m_len:
-            recvs.append(recv[off : off + m_len])
-            own = flat[m_start : m_start + m_len] if flat is not None else None
-            sums.append((own, recv[off : off + m_len], out[off : off + m_len]))
+        own = flat[m_start : m_start + m_len] if flat is not None and m_len else None
+        if i in slot:
+            so = slot[i]
+            if flat is not None and p_len:
+                s_send[so : so + p_len].copy_(flat[p_start : p_start + p_len])
+            s_send[so + (p_len if flat is not None else 0) : so + p.chunk_numel].zero_()
+            if m_len:
+                sums.append((own, s_recv[so : so + m_len], out[off : off + m_len]))
+        else:
+            if p_len:
+                sends.append(flat[p_start : p_start + p_len] if flat is not None
+                             else torch.zeros(p_len, dtype=dtype, device=mesh.device))
+            if m_len:
+                recvs.append(recv[off : off + m_len])
+                sums.append((own, recv[off : off + m_len], out[off : off + m_len]))
         p.drop_local_grad()  # the views above keep the gradient alive until the sum
     n_grad = g.grad_numel
-    sends.append(flags)
-    recvs.append(recv[n_grad:])
-    sums.append((flags, recv[n_grad:], out[n_grad:]))
+    s_send[small_w - k :].copy_(flags)
+    sends.append(s_send)
+    recvs.append(s_recv)
+    sums.append((flags, s_recv[small_w - k :], out[n_grad:]))
+    unit.copied["pack"] += s_send.numel() * s_send.element_size()
     scale, post = divide(unit, dtype)
 
     def local_sum() -> None:
@@ -156,7 +177,16 @@ def _reduce_in_parts(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None]
 
     work = transport.exchange_parts(sends, recvs, "reduce_scatter", unit.label,  # type: ignore[attr-defined]
                                     out, local_sum)
-    return PendingReduce(unit, g, recv, out, work, start, complete, post, parts=True)
+    return PendingReduce(unit, g, recv, out, work, start, complete, post, parts=True,
+                         pack=pack)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -207,6 +237,8 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         unit._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
         unit.pool.release(pr.send)
+        if pr.pack is not None:
+            unit.pool.release(pr.pack)
         if mesh.replicate_size > 1:
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .state import ShardwiseState
 
 from .buffers import BufferPool
-from .comm.transport import Transport, gathers_in_parts
+from .comm.transport import Transport, gathers_in_parts, own_message
 from .comm.work import Work
 from .events import Event, Span, now
 from .mesh import MeshInfo
@@ -43,6 +43,10 @@ class FlatBucket:
     grad_offsets: list[int] = field(default_factory=list)
     grad_numel: int = 0
     sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
+    # Moving in parts ([Note: parameter messages]): the parameters too small for a message
+    # of their own, packed together, and the chunk numel of that pack.
+    small: list[ShardedParam] = field(default_factory=list)
+    small_numel: int = 0
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -53,16 +57,21 @@ class FlatBucket:
                 self.grad_params.append(p)
                 self.grad_offsets.append(self.grad_numel)
                 self.grad_numel += p.chunk_numel
+            if p.chunk_numel and not own_message(p.chunk_numel, self.dtype.itemsize):
+                self.small.append(p)
+                self.small_numel += p.chunk_numel
 
 
 @dataclass
 class _PendingGather:
     bucket: FlatBucket
     send: torch.Tensor | None  # None: a view of `out` ([Note: pair transport])
-    out: torch.Tensor | None  # None: gathered in parts ([Note: parameter messages])
+    # The rank-major output; in parts ([Note: parameter messages]) only the small pack.
+    out: torch.Tensor | None
     work: Work
     start: float
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
+    parts: bool = False
 
 
 class Unit:
@@ -232,18 +241,36 @@ class Unit:
             torch._foreach_copy_([r[me] for r in rows],
                                  [p.padded_shard.reshape(-1) for p in g.params],
                                  non_blocking=True)
-        mine = [r[me] for r in rows if r.shape[1]]
-        theirs = [r[peer] for r in rows if r.shape[1]]
+        small = {id(p) for p in g.small}
+        mine = [r[me] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
+        theirs = [r[peer] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
+        pack = None
+        if g.small:
+            # The small ones: this rank's chunks side by side, one message each way.
+            pack = self.pool.get(2 * g.small_numel, g.dtype, self.mesh.device)
+            both = pack.view(2, g.small_numel)
+            torch.cat([r[me] for p, r in zip(g.params, rows) if id(p) in small], out=both[me])
+            mine.append(both[me])
+            theirs.append(both[peer])
+            self.copied["gather_out"] += pack.numel() * pack.element_size()
         self.copied["gather_in"] += g.numel * g.dtype.itemsize
         with Span() as call:
             work = self.transport.exchange_parts(  # type: ignore[attr-defined]
                 mine, theirs, "all_gather", self.label, self._nothing(g.dtype),
                 async_op=async_op)
-        self._gathers.append(_PendingGather(g, None, None, work, start,
-                                            0.0 if async_op else call.seconds))
+        self._gathers.append(_PendingGather(g, None, pack, work, start,
+                                            0.0 if async_op else call.seconds, parts=True))
 
     def _nothing(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=self.mesh.device)
+
+    def _unpack_small(self, g: FlatBucket, pack: torch.Tensor) -> None:
+        """The peer's small chunks, from the pack into their unsharded buffers."""
+        peer = self.transport.peer  # type: ignore[attr-defined]
+        theirs = pack.view(2, g.small_numel)[peer]
+        torch.split_with_sizes_copy(theirs, [p.chunk_numel for p in g.small],
+                                    out=[p.unsharded_rows_view()[peer] for p in g.small])
+        self.pool.release(pack)
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
@@ -258,7 +285,9 @@ class Unit:
                     pg.work.wait()
                 if pg.send is not None:
                     self.pool.release(pg.send)
-                if pg.out is None:  # in parts: the chunks arrived in the parameters
+                if pg.parts:  # the chunks arrived in the parameters (and the small pack)
+                    if pg.out is not None:
+                        self._unpack_small(pg.bucket, pg.out)
                     self._emit("all_gather", "all_gather",
                                S * pg.bucket.numel * pg.bucket.dtype.itemsize, pg.start,
                                wait.seconds + pg.blocked)

@@ -25,8 +25,11 @@ rank-major output to copy out of: 241 of the 542 MB a bench30m step copied), and
 reduce-scatter sends each gradient's peer rows from the gradient itself (no pack: 121 MB).
 Measured on 2 ranks, loopback, one 12.6 MB transformer block (12 parameters): 6.1 ms for the
 24 messages against 8.9 ms for one message plus the copy-out (each message costs about
-35 us). The parts path is taken where it is exact: the pair transport, gradients already in
-the reduce dtype, and not fp16, whose overflow guard divides before the sum (reduce.py).
+35 us), so parameters under `PART_MIN_BYTES` per rank (norms, biases: 256 KiB is about
+what a copy moves in that time) travel packed together in one more message per bucket, with
+the reduction's flags. The parts path is taken where it is exact: the pair transport,
+gradients already in the reduce dtype, and not fp16, whose overflow guard divides before
+the sum (reduce.py).
 
 Buffers come from an `Allocator` the caller passes (the unit's buffer pool), as in FSDP2's
 allocator protocol: the transport decides how big its buffers are, the caller where they
@@ -67,6 +70,16 @@ def reduce_recv_numel(kind: str, width: int, size: int) -> int:
     """Elements a reduce-scatter of `width` per rank receives into before its local sum (0:
     the backend reduces in place)."""
     return {"native": 0, "all_to_all": width * size, "pair": width}[kind]
+
+
+# Below this many bytes per rank a parameter is not worth a message of its own: the small
+# ones of a bucket travel packed together in one ([Note: parameter messages]).
+PART_MIN_BYTES = 256 * 1024
+
+
+def own_message(chunk_numel: int, itemsize: int) -> bool:
+    """Whether a parameter's chunk travels as a message of its own when moving in parts."""
+    return chunk_numel * itemsize >= PART_MIN_BYTES
 
 
 def gathers_in_parts(transport: Transport) -> bool:
