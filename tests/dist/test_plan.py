@@ -74,9 +74,13 @@ def test_states_match_the_plan_at_dp2_x_tp2() -> None:
             assert case["held"] == case["planned"], case
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_copies_match_the_plan(world: int) -> None:
+# Matrices of 256 x 1024 (512 KiB per rank at 2): messages of their own when moving in parts.
+WIDE = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, d_model=256)
+
+
+@pytest.mark.parametrize("world,cfg", [(2, SMALL), (2, WIDE), (3, SMALL)])
+def test_copies_match_the_plan(world: int, cfg: dict) -> None:
     cases = [("FULL_SHARD", None), ("FULL_SHARD", "bf16"), ("SHARD_GRAD_OP", None)]
-    for per_rank in run_distributed(copies_case, world, SMALL, cases):
+    for per_rank in run_distributed(copies_case, world, cfg, cases):
         for case in per_rank:
             assert case["engine"] == case["planned"], case

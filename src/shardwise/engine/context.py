@@ -20,6 +20,7 @@ from torch import nn
 
 from .comm import collectives as C
 from .events import EventSink
+from .freeze_check import FreezeCheck
 from .lockstep import find_groups
 from .schedule import Limits, Schedule, TrainingState
 from .tp import check_params_in_place
@@ -38,6 +39,8 @@ class ModelContext:
         self._final_queued = False
         # set_post_optim_event: waited for at the start of the next root forward.
         self.post_optim_event: object | None = None
+        # Every rank trains the same parameters ([Note: freeze check] in freeze_check.py).
+        self.freeze_check = FreezeCheck()
 
     @classmethod
     def create(cls, top: Unit) -> ModelContext:
@@ -105,6 +108,7 @@ class ModelContext:
                 "sd) before the first forward")
         check_params_in_place(self.units)
         _check_same_layout(self.units)
+        self.freeze_check.prepare(self.units)
         # Sibling units that data may skip ([Note: lockstep] in schedule.py).
         self.schedule.groups = find_groups(self.top.modules, self.units,
                                            {id(u): u.modules for u in self.units})
@@ -120,6 +124,7 @@ class ModelContext:
         if self.schedule.state is TrainingState.PRE_BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
             self.finish_backward()
+        self.freeze_check.settle()  # a grad-enabled forward's check that no backward took
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
@@ -128,10 +133,13 @@ class ModelContext:
             # shards changed since (an optimizer step): the full parameters are stale.
             if u.shards_changed_since_gather():
                 u.reshard()
+        if torch.is_grad_enabled():
+            self.freeze_check.start()  # settled before the first reduction (ensure_backward)
         self.schedule.begin_forward()
 
     def ensure_backward(self) -> None:
         """Every backward hook calls this: the first one queues the final callback."""
+        self.freeze_check.settle()  # before any reduction: ranks that disagree raise here
         self.schedule.state = TrainingState.PRE_BACKWARD
         if not self._final_queued:
             self._final_queued = True
@@ -146,11 +154,14 @@ class ModelContext:
         """After a forward or backward raised: wait for the collectives in flight (every
         rank issued them), drop their results and every unreduced gradient, reshard."""
         sched = self.schedule
+        self.freeze_check.drain()
         while sched.pending:
             pr: Any = sched.pending.popleft()
             pr.work.wait()
             if pr.send is not None:
                 pr.unit.pool.release(pr.send)
+            if getattr(pr, "pack", None) is not None:
+                pr.unit.pool.release(pr.pack)
         for u in self.units:
             u.reshard()
             for p in u.params:

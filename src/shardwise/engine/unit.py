@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,13 +21,12 @@ if TYPE_CHECKING:
     from .state import ShardwiseState
 
 from .buffers import BufferPool
-from .comm import collectives as C
-from .comm.transport import Transport
+from .comm.transport import Transport, gathers_in_parts, own_message
 from .comm.work import Work
 from .events import Event, Span, now
 from .mesh import MeshInfo
-from .pack import pack_grad, prescale
 from .policies import MixedPrecisionPolicy
+from .reduce import PendingReduce, finish_reduce, reduce_bucket
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
@@ -44,6 +43,10 @@ class FlatBucket:
     grad_offsets: list[int] = field(default_factory=list)
     grad_numel: int = 0
     sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
+    # Moving in parts ([Note: parameter messages]): the parameters too small for a message
+    # of their own, packed together, and the chunk numel of that pack.
+    small: list[ShardedParam] = field(default_factory=list)
+    small_numel: int = 0
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -54,41 +57,21 @@ class FlatBucket:
                 self.grad_params.append(p)
                 self.grad_offsets.append(self.grad_numel)
                 self.grad_numel += p.chunk_numel
+            if p.chunk_numel and not own_message(p.chunk_numel, self.dtype.itemsize):
+                self.small.append(p)
+                self.small_numel += p.chunk_numel
 
 
 @dataclass
 class _PendingGather:
     bucket: FlatBucket
     send: torch.Tensor | None  # None: a view of `out` ([Note: pair transport])
-    out: torch.Tensor
+    # The rank-major output; in parts ([Note: parameter messages]) only the small pack.
+    out: torch.Tensor | None
     work: Work
     start: float
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
-
-
-@dataclass
-class PendingReduce:
-    unit: Unit
-    bucket: FlatBucket
-    send: torch.Tensor | None
-    out: torch.Tensor
-    work: Work
-    start: float
-    # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
-    complete: bool = True
-    # What is left to divide by after the sum (1: the pack divided already, [Note: divide
-    # in the pack]).
-    post: float = 1.0
-
-    # Set once the result is in the sharded gradients: finishing twice would release the
-    # send buffer twice and add the gradient twice.
-    finished: bool = False
-
-    def finish(self) -> None:
-        """Wait for the reduction and write its result (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self.unit.finish_reduce(self)
+    parts: bool = False
 
 
 class Unit:
@@ -220,6 +203,9 @@ class Unit:
         for g in self.buckets:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
+            if gathers_in_parts(transport):
+                self._gather_in_parts(g, async_op)
+                continue
             start = now()
             out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
             # [Note: pair transport]: the pair transport's send buffer is `out`'s own row.
@@ -242,6 +228,50 @@ class Unit:
                 0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
 
+    def _gather_in_parts(self, g: FlatBucket, async_op: bool) -> None:
+        """[Note: parameter messages]: this rank's shard goes into its own chunk of each
+        unsharded buffer and is sent from there; the peer's chunk arrives in place."""
+        start = now()
+        me, peer = self.transport.me, self.transport.peer  # type: ignore[attr-defined]
+        rows = []
+        for p in g.params:
+            p.alloc_unsharded()
+            rows.append(p.unsharded_rows_view())  # (2, chunk): row r is rank r's chunk
+        with torch.no_grad():
+            torch._foreach_copy_([r[me] for r in rows],
+                                 [p.padded_shard.reshape(-1) for p in g.params],
+                                 non_blocking=True)
+        small = {id(p) for p in g.small}
+        mine = [r[me] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
+        theirs = [r[peer] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
+        pack = None
+        if g.small:
+            # The small ones: this rank's chunks side by side, one message each way.
+            pack = self.pool.get(2 * g.small_numel, g.dtype, self.mesh.device)
+            both = pack.view(2, g.small_numel)
+            torch.cat([r[me] for p, r in zip(g.params, rows) if id(p) in small], out=both[me])
+            mine.append(both[me])
+            theirs.append(both[peer])
+            self.copied["gather_out"] += pack.numel() * pack.element_size()
+        self.copied["gather_in"] += g.numel * g.dtype.itemsize
+        with Span() as call:
+            work = self.transport.exchange_parts(  # type: ignore[attr-defined]
+                mine, theirs, "all_gather", self.label, self._nothing(g.dtype),
+                async_op=async_op)
+        self._gathers.append(_PendingGather(g, None, pack, work, start,
+                                            0.0 if async_op else call.seconds, parts=True))
+
+    def _nothing(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=self.mesh.device)
+
+    def _unpack_small(self, g: FlatBucket, pack: torch.Tensor) -> None:
+        """The peer's small chunks, from the pack into their unsharded buffers."""
+        peer = self.transport.peer  # type: ignore[attr-defined]
+        theirs = pack.view(2, g.small_numel)[peer]
+        torch.split_with_sizes_copy(theirs, [p.chunk_numel for p in g.small],
+                                    out=[p.unsharded_rows_view()[peer] for p in g.small])
+        self.pool.release(pack)
+
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
         if self.state is ShardedState.UNSHARDED:
@@ -255,6 +285,13 @@ class Unit:
                     pg.work.wait()
                 if pg.send is not None:
                     self.pool.release(pg.send)
+                if pg.parts:  # the chunks arrived in the parameters (and the small pack)
+                    if pg.out is not None:
+                        self._unpack_small(pg.bucket, pg.out)
+                    self._emit("all_gather", "all_gather",
+                               S * pg.bucket.numel * pg.bucket.dtype.itemsize, pg.start,
+                               wait.seconds + pg.blocked)
+                    continue
                 rows = pg.out.view(S, pg.bucket.numel)
                 for p in pg.bucket.params:
                     p.alloc_unsharded()
@@ -338,142 +375,10 @@ class Unit:
                 p.unsharded.grad = None
 
     def _reduce_grads(self) -> list[PendingReduce]:
-        """[Note: unused gradients] A parameter that no rank computed a gradient for keeps
-        `.grad = None` (as in DDP and FSDP2), so the optimizer skips it instead of stepping
-        it from zeros. Each rank's row of the reduce buffer ends with one flag per
-        parameter (1 where this rank has a gradient); reduced, the flags count the ranks
-        that contributed, and every rank reads the same counts.
-        """
-        S, mesh = self.mesh.shard_size, self.mesh
-        rdt = self.reduce_dtype_for
-        pending = []
         with torch.no_grad():
-            for g in self.buckets:
-                if not g.grad_params:
-                    continue
-                # Reduced even when this rank has no gradient at all: another rank may have
-                # one, and the schedule calls this at the same point on every rank
-                # ([Note: lockstep] in schedule.py).
-                grads = [p.local_grad() for p in g.grad_params]
-                if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
-                    continue  # one rank, no casts: the gradients already are the result
-                start = now()
-                dtype = rdt[g.dtype]
-                k = len(g.grad_params)
-                width = g.grad_numel + k
-                # With S == 1 the packed buffer becomes the gradients: not pooled.
-                send = (self.pool.get(width * S, dtype, mesh.device) if S > 1
-                        else torch.empty(width, dtype=dtype, device=mesh.device))
-                rows = send.view(S, width)
-                scale, post = self._divide(dtype)
-                for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-                    pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
-                    p.drop_local_grad()
-                complete = all(x is not None for x in grads)
-                rows[:, g.grad_numel :].copy_(self._flags(g, grads, dtype, complete))
-                self.copied["pack"] += send.numel() * send.element_size()
-                if S > 1:
-                    out = torch.empty(width, dtype=dtype, device=mesh.device)
-                    work = self.transport.reduce_scatter(out, send, True, self.pool,
-                                                         label=self.label)
-                    pending.append(PendingReduce(self, g, send, out, work, start, complete, post))
-                else:
-                    work = C.all_reduce(send, mesh.replicate_group, async_op=True,
-                                        label=self.label) \
-                        if mesh.replicate_size > 1 else Work(None, send)
-                    pending.append(PendingReduce(self, g, None, send, work, start, complete,
-                                                 post))
-        return pending
-
-    def _divide(self, dtype: torch.dtype) -> tuple[float | None, float]:
-        """How the divide by the data-parallel size (or the set factor) splits around the
-        sum: (scale applied in the pack or None, divisor left for after the sum).
-
-        A power-of-two factor goes into the pack ([Note: divide in the pack]). In fp16, N
-        summed gradients can overflow where their mean would not, so, as FSDP2 does, about
-        sqrt(N) (a power of two: exact) is divided before the sum and the rest after it.
-        Not when the sum itself must be seen: an all-reduce hook under forced-sum reduction
-        (FSDP2's contract) receives the undivided sum.
-        """
-        factor = self.grad_divide_factor or self.mesh.dp_size
-        if self.force_sum_reduction:
-            return None, factor
-        if dtype == torch.float16:
-            pre = 1
-            while factor % pre == 0 and factor / pre > pre:
-                pre *= 2
-            return (1.0 / pre if pre > 1 else None), factor / pre
-        scale = prescale(factor)
-        return scale, (1.0 if scale is not None else factor)
-
-    def _flags(self, g: FlatBucket, grads: list, dtype: torch.dtype,
-               complete: bool) -> torch.Tensor:
-        """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
-        if complete:
-            ones = self._ones.get((id(g), dtype))
-            if ones is None:
-                ones = self._ones[(id(g), dtype)] = torch.ones(len(grads), dtype=dtype)
-            return ones
-        return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype)
+            pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
+        return [pr for pr in pending if pr is not None]
 
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
-        with Span() as wait:
-            out = pr.work.wait()
-        waited = wait.seconds
-        mesh = self.mesh
-        nbytes = pr.out.numel() * pr.out.element_size()
-        if pr.send is not None:
-            if mesh.transport.name != "native":
-                self.copied["reduce_sum"] += nbytes
-            self._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
-                       waited)
-            self.pool.release(pr.send)
-            if mesh.replicate_size > 1:
-                with Span() as call:
-                    C.all_reduce(out, mesh.replicate_group, label=self.label)
-                # Synchronous: the whole call is exposed.
-                self._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds)
-        elif mesh.replicate_size > 1:
-            self._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
-        n_grad = pr.bucket.grad_numel
-        # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
-        counts = None if pr.complete else out[n_grad:].tolist()
-        # The mean over ranks of each rank's mean loss gradient: what the pack did not divide
-        # yet is divided now (Unit._divide).
-        hook = self.all_reduce_hook
-        if hook is not None and self.force_sum_reduction:
-            self._run_hook(hook, out[:n_grad])  # FSDP2: the hook sees the sum, then divides
-        if pr.post != 1:
-            out[:n_grad].div_(pr.post)
-        if hook is not None and not self.force_sum_reduction:
-            self._run_hook(hook, out[:n_grad])
-        with torch.no_grad():
-            for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
-                if counts is not None and counts[i] == 0:
-                    continue  # no rank computed it: the gradient stays as it was (None)
-                n = p.local_rows * p.row_numel
-                grad = out[off : off + n].view(p.local.shape)
-                if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                    grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
-                    self.copied["reduce_out"] += n * grad.element_size()
-                have = p.shard_grad
-                if p.direct or have is None:
-                    # Direct params accumulated locally; the reduced sum replaces it.
-                    p.set_shard_grad(grad)
-                    if p.direct:
-                        p.mark_reduced()
-                else:
-                    have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
-
-    def _run_hook(self, hook: Callable[[torch.Tensor], None], reduced: torch.Tensor) -> None:
-        stream = self.all_reduce_hook_stream
-        if stream is None:
-            hook(reduced)
-            return
-        dev: Any = torch.get_device_module(reduced.device)
-        stream.wait_stream(dev.current_stream())  # type: ignore[attr-defined]
-        with dev.stream(stream):
-            hook(reduced)
-        dev.current_stream().wait_stream(stream)
-
+        finish_reduce(self, pr)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.comm.transport import own_message
 from ..engine.policies import MixedPrecisionPolicy
 from .units import PlanUnit
 
@@ -63,8 +64,14 @@ class UnitCost:
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
     direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
+    reduce_from: the compute dtype of each `reduce` group's gradients, in the same order
+      (the engine reduces a group in parts when it needs no cast: comm/transport.py).
     cast_grad_bytes: reduced gradients copied into the master dtype or to the host (the rest
       are views of the reduction's output).
+    small_gather: per `gather` group, the chunk numel of the parameters too small for a
+      message of their own when moving in parts (they travel packed together).
+    small_reduce: per `reduce` group, the elements of its pack when moving in parts: the
+      chunks of the gradients too small for a message (in the reduce dtype), and the flags.
     """
 
     name: str
@@ -81,7 +88,10 @@ class UnitCost:
     unsharded_bytes: int
     full_grad_bytes: int
     direct: bool
+    reduce_from: tuple[torch.dtype, ...] = ()
     cast_grad_bytes: int = 0
+    small_gather: tuple[int, ...] = ()
+    small_reduce: tuple[int, ...] = ()
 
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
@@ -99,6 +109,9 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     flag_count: dict[torch.dtype, int] = {}
     converted: dict[torch.dtype, int] = {}  # grads cast back to the master dtype (bytes)
     viewed: dict[torch.dtype, bool] = {}  # some grads are views of the reduction output
+    # Chunks too small for a message of their own ([Note: parameter messages]).
+    small_gather: dict[torch.dtype, int] = {}
+    small_reduce: dict[torch.dtype, int] = {}
     direct_all = True
     for p in unit.spec.params:
         dims = p.shape if p.shape else (1,)  # a 0-d parameter is sharded as shape (1,)
@@ -116,6 +129,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
         gather[cdtype] = gather.get(cdtype, 0) + C * row
+        small = C * row and not own_message(C * row, csize)
+        small_gather[cdtype] = small_gather.get(cdtype, 0) + (C * row if small else 0)
         if not direct:
             unsharded += S * C * row * csize  # (S*C, ...) storage while the unit is unsharded
         if p.requires_grad:
@@ -128,6 +143,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row + 1
             flag_count[cdtype] = flag_count.get(cdtype, 0) + 1
             rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
+            small = C * row and not own_message(C * row, _size(rdtype))
+            small_reduce[cdtype] = small_reduce.get(cdtype, 0) + (C * row if small else 0) + 1
             if rdtype == p.dtype and not host_offload:
                 viewed[cdtype] = True
             else:
@@ -147,8 +164,10 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         shard_bytes=shard, grad_bytes=grads, state_bytes=state, state_params=state_params,
         largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
         unsharded_bytes=unsharded, full_grad_bytes=full_grads,
-        direct=direct_all and bool(unit.spec.params),
+        direct=direct_all and bool(unit.spec.params), reduce_from=tuple(grad_chunk),
         cast_grad_bytes=sum(converted.values()),
+        small_gather=tuple(small_gather[d] for d in gather),
+        small_reduce=tuple(small_reduce.get(d, 0) for d in grad_chunk),
     )
 
 

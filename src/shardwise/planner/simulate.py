@@ -29,6 +29,7 @@ import torch
 from ..engine.buffers import BufferPool
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
+from .copies import gathers_in_parts_by, reduces_in_parts_by
 from .memory import UnitCost, _size
 from .replay import ReplayUnit, replay_backward, replay_forward
 
@@ -92,27 +93,34 @@ class _SimUnit(ReplayUnit):
         super().__init__(i, reshard_after_forward)
         self.sim, self.cost = sim, sim.costs[i]
         self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self.in_parts = False  # gathering in parts: the unsharded storage is counted
 
     def _issue_gather(self) -> None:
         sim = self.sim
-        if sim.S == 1:
-            return
-        for dtype, chunk in self.cost.gather:
-            # As the engine: the output first, then the send buffer its transport sizes
-            # (engine/comm/transport.py).
-            out = sim.get(chunk * sim.S, dtype)
-            n = gather_send_numel(sim.transport, chunk, sim.S)
-            send = sim.get(n, dtype) if n else None
-            if sim.scratch:
-                # gloo gathers into a flat output of its own and copies it out: a copy
-                # that lives while the all-gather runs, which is right after issue.
-                extra = chunk * sim.S * _size(dtype)
-                sim.t.add(extra, "comm")
-                sim.t.add(-extra, "comm")
-            self.gathers.append((send, out))
+        if sim.S > 1 and gathers_in_parts_by(sim.transport):
+            # In parts ([Note: parameter messages]): the chunks arrive in the unsharded
+            # storage itself, allocated at issue; no flat output, no send buffer.
+            sim.t.add(self.cost.unsharded_bytes, "unsharded")
+            self.in_parts = True
+        elif sim.S > 1:
+            for dtype, chunk in self.cost.gather:
+                # As the engine: the output first, then the send buffer its transport sizes
+                # (engine/comm/transport.py).
+                out = sim.get(chunk * sim.S, dtype)
+                n = gather_send_numel(sim.transport, chunk, sim.S)
+                send = sim.get(n, dtype) if n else None
+                if sim.scratch:
+                    # gloo gathers into a flat output of its own and copies it out: a copy
+                    # that lives while the all-gather runs, which is right after issue.
+                    extra = chunk * sim.S * _size(dtype)
+                    sim.t.add(extra, "comm")
+                    sim.t.add(-extra, "comm")
+                self.gathers.append((send, out))
 
     def _gathered(self) -> None:
-        self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        if not self.in_parts:
+            self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        self.in_parts = False
         for send, out in self.gathers:
             if send is not None:
                 self.sim.release(send)
@@ -127,9 +135,15 @@ class _SimUnit(ReplayUnit):
         if not c.reduce:
             return ()
         parts = []
-        for rdtype, n, kept in c.reduce:
+        held = False  # the full gradients stay until the reduction ends (sent in parts)
+        for (rdtype, n, kept), cdtype in zip(c.reduce, c.reduce_from or
+                                             [None] * len(c.reduce)):
             rsize = _size(rdtype)
-            if sim.S > 1:
+            if sim.S > 1 and reduces_in_parts_by(sim.transport, rdtype, cdtype):
+                # In parts: no pack; the receive buffer is pooled, as in engine/reduce.py.
+                send = sim.get(n, rdtype)
+                out, extra, held = n * rsize, 0, True
+            elif sim.S > 1:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
                 # What the transport receives into before its local sum, held by the
@@ -142,14 +156,14 @@ class _SimUnit(ReplayUnit):
             sim.t.add(out, "grads")
             sim.t.add(extra, "comm")
             parts.append((send, out, extra, kept))
-        if not c.direct:
+        if not c.direct and not held:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
-        return (_SimReduce(self, parts),)
+        return (_SimReduce(self, parts, held),)
 
 
 class _SimReduce:
-    def __init__(self, unit: _SimUnit, parts: list) -> None:
-        self.unit, self.parts = unit, parts
+    def __init__(self, unit: _SimUnit, parts: list, held: bool = False) -> None:
+        self.unit, self.parts, self.held = unit, parts, held
 
     def finish(self) -> None:
         sim = self.unit.sim
@@ -161,8 +175,9 @@ class _SimReduce:
             # cast back to the master dtype.
             sim.t.add(kept - out, "grads")
             sim.grads_alive += kept
-        if self.unit.cost.direct:
-            sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")  # replaced by the result
+        if self.unit.cost.direct or self.held:
+            # Replaced by the result, or sent from in parts until now.
+            sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
 
 
 class _Sim:

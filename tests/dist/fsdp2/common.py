@@ -243,6 +243,8 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
         (T.Transport, "reduce_scatter", lambda self, out, full, *a, **k: out),
         (T.AllToAllTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
         (T.PairTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
+        # In parts ([Note: parameter messages]): (sends, recvs, op, label, output, ...).
+        (T.PairTransport, "exchange_parts", None),
         (C, "all_reduce", lambda t, *a, **k: t),
         (C, "broadcast", lambda t, *a, **k: t),
     ]
@@ -250,6 +252,12 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
 
     def wrap(orig: Callable[..., Any], op: str, tensor_of: Callable[..., torch.Tensor]):
         def call(*args: Any, **kwargs: Any) -> Any:
+            if tensor_of is None:  # exchange_parts: the op and label are arguments
+                _, sends, _, what, label, output = args[:6]
+                numel = (sum(t.numel() for t in sends) if what == "all_gather"
+                         else output.numel())
+                log.append((what, label, numel, sends[0].dtype if sends else output.dtype))
+                return orig(*args, **kwargs)
             t = tensor_of(*args, **kwargs)
             log.append((op, kwargs.get("label", ""), t.numel(), t.dtype))
             return orig(*args, **kwargs)

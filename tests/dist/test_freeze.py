@@ -1,0 +1,45 @@
+"""Freezes compared across ranks (issue 25): one rank's change is an error on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.testing import run_distributed
+from tests.dist import freeze_workers as F
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_freeze_on_one_rank_raises_on_every_rank(world: int) -> None:
+    # Before engine/freeze_check.py rank 1's gloo I/O thread aborted the process (SIGABRT:
+    # "Received data size doesn't match expected size"), or the ranks hung; run_distributed
+    # turns either into DistributedError within the short collective timeout.
+    results = run_distributed(F.freeze_on_one_rank, world, timeout_s=120.0,
+                              collective_timeout_s=15.0)
+    for rank, by_strategy in enumerate(results):
+        for strategy, r in by_strategy.items():
+            msg = r["message"]
+            assert msg is not None, f"rank {rank} {strategy}: the step did not raise"
+            assert msg.startswith(f"rank {rank}: ranks disagree on which parameters require "
+                                  "grad"), msg
+            assert "unit 'blocks.1'" in msg and F.FROZEN in msg, msg
+            assert "(7 parameters): rank 1 trains 6" in msg and "requires grad on rank" in msg, msg
+            assert "on every rank alike" in msg, msg
+            # The job went on after the error: still matched, the same parameters everywhere.
+            assert r["same"], f"rank {rank} {strategy}: ranks ended with different parameters"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_freeze_on_every_rank_alike_matches_the_reference(world: int) -> None:
+    for diffs in run_distributed(F.freeze_alike_parity, world, timeout_s=180.0):
+        bad = {k: v for k, v in diffs.items() if not v <= 1e-5}
+        assert not bad, bad
+        assert any("frozen grad blocks.0" in k for k in diffs)
+        assert any(f"frozen grad {F.FROZEN}" in k for k in diffs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_check_per_training_step_none_alone(world: int) -> None:
+    # A training step issues one check, an eval forward none; one rank issues none at all.
+    for r in run_distributed(F.checks_issued, world):
+        assert r == ({"enabled": True, "issued": ["freeze check"]} if world > 1
+                     else {"enabled": False, "issued": []}), r
