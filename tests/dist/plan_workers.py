@@ -222,13 +222,16 @@ def step_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
     for _ in range(2):  # the first step records the order, the second warms the heap
         _step(model, opt, idx)
     d, heads = cfg.d_model, cfg.n_head
-    largest = max(p.numel() for p in meta.parameters())
-    units = [4 * u.numel for u in units_of_model(meta, "transformer", None).units]
+    params = list(meta.parameters())
+    mu = units_of_model(meta, "transformer", None).units
+    units = [4 * u.numel for u in mu]
     load = os.getloadavg()[0]
     cal = calibrate_in_group(matmul=(batch * seq, d, 4 * d), repeats=3, clock=clock,
                              attention=(batch, heads, seq, d // heads),
-                             block=shape_of_model(meta), optimizer_numel=-(-largest // world),
-                             collective_sizes=(min(units), max(units)))
+                             block=shape_of_model(meta),
+                             optimizer=(sum(p.numel() for p in params) // world, len(params)),
+                             collective_sizes=(min(units), max(units)),
+                             units=(len(mu), round(len(params) / len(mu))))
     dev = cal.device()
     t = plan(meta, world_size=world, batch_size=batch, seq_len=seq, device=dev,
              interconnect=cal.interconnect(), rank=rank).time
@@ -252,7 +255,8 @@ def step_time_case(rank: int, world: int, cfg_kw: dict, batch: int, seq: int,
         "rank": rank, "world": world, "threads": threads, "load": load,
         "others_cores": others, "wall_s": statistics.median(r[0] for r in rows),
         "cpu_s": statistics.median(r[1] for r in rows), "steps": rows,
-        "predicted_s": t.step_s, "predicted_cpu_s": t.step_s / k, "seconds_scale": k,
+        # The CPU the step uses is its work (the serial sum); the wall step adds the waits.
+        "predicted_s": t.step_s, "predicted_cpu_s": t.step_s_serial / k, "seconds_scale": k,
         "parts_cpu_s": {"compute": t.compute_s / k, "comm": t.comm_s / k,
                         "copies": t.copy_s / k, "optimizer": t.optimizer_s / k},
         "calibration": cal.to_dict(),

@@ -10,6 +10,7 @@ calls `calibrate_in_group()` instead. `Calibration.device()` / `.interconnect()`
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -17,173 +18,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ..engine.comm import collectives as C
+from .measure import (
+    CLOCKS,
+    MIN_SAMPLE_S,
+    _median_seconds,
+    block_elementwise_bandwidth,
+    clock_of,
+    measure_attention_efficiency,
+    measure_block_seconds,
+    measure_elementwise_bandwidth,
+    measure_matmul_flops,
+    measure_memory_bandwidth,
+    measure_optimizer,
+)
 from .profiles import DeviceProfile, InterconnectProfile, cpu_device, cpu_seconds_scale
 from .shape import TransformerShape
 
+__all__ = ["CLOCKS", "Calibration", "_median_seconds", "calibrate", "calibrate_in_group",
+           "clock_of", "measure_attention_efficiency", "measure_block_seconds",
+           "measure_collectives", "measure_elementwise_bandwidth", "measure_matmul_flops",
+           "measure_memory_bandwidth", "measure_optimizer", "measure_unit_overhead"]
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-# "wall": elapsed time, what a dedicated machine's step takes. "cpu": this process's CPU time
-# (all threads, user + system; loopback gloo's copies and TCP work included): what the step
-# costs when it runs, immune to other tenants of a shared machine stealing the cores.
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def clock_of(name: str) -> Callable[[], float]:
-    if name not in CLOCKS:
-        raise ValueError(f"clock={name!r} is not one of: {', '.join(CLOCKS)}")
-    return CLOCKS[name]
-
-
-# Each timed sample of a local measurement lasts at least this long (the call repeated): a
-# millisecond kernel timed alone misses what a rank sharing its cores pays, since the
-# scheduler hands out cores in slices of a few milliseconds. Over 30 ms each of 3 ranks on 2
-# cores gets its 2/3 share, as in a real step.
-MIN_SAMPLE_S = 0.03
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int, clock: str = "wall",
-                    warmup: int = 1, min_s: float = 0.0) -> float:
-    """Median seconds of one call of `fn` over `repeats` samples of at least `min_s` each."""
-    now = clock_of(clock)
-    t0 = now()
-    for _ in range(max(warmup, 1)):
-        fn()
-    one = (now() - t0) / max(warmup, 1)
-    calls = max(1, int(min_s / max(one, 1e-6) + 0.999)) if min_s > 0 else 1
-    times = []
-    for _ in range(repeats):
-        t0 = now()
-        for _ in range(calls):
-            fn()
-        times.append((now() - t0) / calls)
-    return max(statistics.median(times), 1e-9)
-
-
-def measure_matmul_flops(m: int = 1024, k: int = 1024, n: int = 1024,
-                         dtype: torch.dtype = torch.float32, repeats: int = 5,
-                         clock: str = "wall", min_s: float = 0.0) -> float:
-    """FLOP/s of the three matmuls a linear layer runs per step, for an (m, k) input and a
-    (k, n) weight: forward (m,k)@(k,n), input gradient (m,n)@(n,k) and weight gradient
-    (k,m)@(m,n) (a transposed operand), medians of `repeats` each."""
-    x, w, g = (torch.randn(*s).to(dtype) for s in ((m, k), (n, k), (m, n)))
-    seconds = (_median_seconds(lambda: x @ w.t(), repeats, clock, min_s=min_s)
-               + _median_seconds(lambda: g @ w, repeats, clock, min_s=min_s)
-               + _median_seconds(lambda: g.t() @ x, repeats, clock, min_s=min_s))
-    return 3 * 2 * m * k * n / seconds
-
-
-def measure_memory_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5,
-                             clock: str = "wall", min_s: float = 0.0) -> float:
-    """Bytes/s of a large copy (read + write), beyond the caches."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), repeats, clock, min_s=min_s)
-
-
-def measure_attention_efficiency(batch: int = 4, heads: int = 8, seq: int = 128,
-                                 head_dim: int = 64, matmul_flops: float = 0.0,
-                                 repeats: int = 5, clock: str = "wall",
-                                 min_s: float = 0.0) -> float:
-    """Causal `scaled_dot_product_attention` forward + backward, as a fraction of
-    `matmul_flops`, counting the FLOPs the time model counts (6 * T * d per token)."""
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
-    g = torch.randn(batch, heads, seq, head_dim)
-
-    def run() -> None:
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
-
-    flops = 6 * seq * heads * head_dim * batch * seq
-    return flops / _median_seconds(run, repeats, clock, min_s=min_s) / matmul_flops
-
-
-def measure_elementwise_bandwidth(numel: int = 2**21, repeats: int = 5,
-                                  clock: str = "wall", min_s: float = 0.0) -> float:
-    """The time model's elementwise rate on this CPU: GELU (tanh) forward + backward over
-    `numel` fp32 elements stands for the non-matmul work each saved activation element
-    costs (the time model charges ELEMENTWISE_PASSES x its bytes at this rate)."""
-    from .timing import ELEMENTWISE_PASSES
-
-    x = torch.randn(numel, requires_grad=True)
-    g = torch.randn(numel)
-
-    def run() -> None:
-        torch.nn.functional.gelu(x, approximate="tanh").backward(g)
-
-    return ELEMENTWISE_PASSES * 4 * numel / _median_seconds(run, repeats, clock, min_s=min_s)
-
-
-def measure_block_seconds(shape: TransformerShape, batch: int, seq: int, repeats: int = 5,
-                          clock: str = "wall", min_s: float = 0.0) -> float:
-    """Seconds of one pre-norm transformer block of `shape`, forward and backward, on
-    (batch, seq) tokens, in fp32: norm -> q/k/v -> causal `scaled_dot_product_attention`
-    -> out projection -> residual; norm -> MLP (GELU, or gated SiLU) -> residual, as the
-    time model's blocks are (planner/shape.py). Built from plain tensors: nothing of the
-    model is needed."""
-    d, f, hd = shape.d_model, shape.ffn_dim, shape.head_dim
-    h = shape.n_heads
-
-    def w(*dims: int) -> torch.Tensor:
-        return (torch.randn(*dims) * 0.02).requires_grad_()
-
-    n1, n2 = torch.ones(d, requires_grad=True), torch.ones(d, requires_grad=True)
-    qkv, out = w(3 * h * hd, d), w(d, h * hd)
-    mats = [w(f, d) for _ in range(shape.mlp_matrices - 1)] + [w(d, f)]
-    x = torch.randn(batch, seq, d, requires_grad=True)
-    F = torch.nn.functional
-
-    def run() -> None:
-        a = F.layer_norm(x, (d,), n1, None, 1e-5)
-        q, k, v = F.linear(a, qkv).view(batch, seq, 3, h, hd).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        s = x + F.linear(y.transpose(1, 2).reshape(batch, seq, h * hd), out)
-        m = F.layer_norm(s, (d,), n2, None, 1e-5)
-        if shape.mlp == "gated":
-            hid = F.silu(F.linear(m, mats[0])) * F.linear(m, mats[1])
-        else:
-            hid = F.gelu(F.linear(m, mats[0]), approximate="tanh")
-        (s + F.linear(hid, mats[-1])).sum().backward()
-
-    return _median_seconds(run, repeats, clock, min_s=min_s)
-
-
-def block_elementwise_bandwidth(shape: TransformerShape, batch: int, seq: int,
-                                block_s: float, flops: float, attention: float) -> float:
-    """The elementwise rate that makes the time model's block take `block_s`: what the
-    block's matmuls (at `flops`) and attention (at `attention` x `flops`) leave is its
-    non-matmul work (norms, GELU, residual adds, reshapes, autograd's own), charged as
-    ELEMENTWISE_PASSES over the saved activations (planner/timing.py's `unit_work`). At
-    least a tenth of the block is left to it, whatever the matmul figures say."""
-    from .timing import ELEMENTWISE_PASSES
-
-    tokens = batch * seq
-    matmul_s = shape.block_matmul_flops_per_token() * tokens / flops
-    att_s = shape.attention_flops_per_token(seq) * tokens / (flops * attention)
-    rest = max(block_s - matmul_s - att_s, 0.1 * block_s)
-    return ELEMENTWISE_PASSES * shape.block_activation_bytes(4) * tokens / rest
-
-
-def measure_optimizer(numel: int = 2**20, tensors: int = 64, repeats: int = 5,
-                      clock: str = "wall", min_s: float = 0.0) -> tuple[float, float]:
-    """torch's AdamW with its default arguments (what users write; on CPU the per-parameter
-    path): (bytes/s per pass over one fp32 state array, seconds per parameter tensor).
-    One `numel`-element parameter gives the rate, `tensors` one-row ones the fixed cost of
-    each tensor (Python and dispatch), which a model of many small tensors pays."""
-    from .timing import OPTIMIZER_PASSES
-
-    def step_seconds(params: list[torch.Tensor]) -> float:
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        return _median_seconds(opt.step, repeats, clock, warmup=2, min_s=min_s)
-
-    small = step_seconds([torch.zeros(8, requires_grad=True) for _ in range(tensors)])
-    per_tensor = small / tensors
-    big = step_seconds([torch.zeros(numel, requires_grad=True)])
-    passes = OPTIMIZER_PASSES["adamw"] * 4 * numel
-    return passes / max(big - per_tensor, 1e-9), per_tensor
 
 
 def _one_collective(kind: str, nbytes: int, world: int, group: object | None) -> Callable:
@@ -199,9 +58,10 @@ def _one_collective(kind: str, nbytes: int, world: int, group: object | None) ->
 
 
 def _collective_seconds(fn: Callable[[], object], repeats: int, clock: str,
-                        group: object | None, min_s: float) -> float:
-    """As `_median_seconds` for a collective: every rank makes the same number of calls
-    (the most any rank needs for `min_s` per sample), or they would not pair up."""
+                        group: object | None, min_s: float) -> tuple[float, float]:
+    """As `_median_seconds` for a collective, on `clock` and on the wall clock at once:
+    every rank makes the same number of calls (the most any rank needs for `min_s` per
+    sample), or they would not pair up."""
     now = clock_of(clock)
     C.barrier(group)
     t0 = now()
@@ -210,13 +70,25 @@ def _collective_seconds(fn: Callable[[], object], repeats: int, clock: str,
     calls = torch.tensor([max(1, int(min_s / max(one, 1e-6) + 0.999)) if min_s > 0 else 1])
     C.all_reduce(calls, group, op="max")
     n = int(calls.item())
-    times = []
+    times, walls = [], []
     for _ in range(repeats):
-        t0 = now()
+        t0, w0 = now(), time.perf_counter()
         for _ in range(n):
             fn()
         times.append((now() - t0) / n)
-    return max(statistics.median(times), 1e-9)
+        walls.append((time.perf_counter() - w0) / n)
+    return max(statistics.median(times), 1e-9), max(statistics.median(walls), 1e-9)
+
+
+def _fit(sizes: tuple[int, int], t: list[float], factor: int,
+         world: int) -> tuple[float, float]:
+    """(bytes/s, latency per ring step) through two (size, seconds) points; where the sizes
+    cannot be told apart (equal, or the larger no slower), the larger one's rate alone."""
+    sent = [factor * (world - 1) * s / world for s in sizes]
+    if sent[1] > 1.5 * sent[0] and t[1] > t[0]:
+        bw = (sent[1] - sent[0]) / (t[1] - t[0])
+        return bw, max(t[0] - sent[0] / bw, 0.0) / (factor * (world - 1))
+    return sent[1] / t[1], 0.0
 
 
 def measure_collectives(sizes: tuple[int, int] = (64 * 2**10, 16 * 2**20), repeats: int = 5,
@@ -227,29 +99,86 @@ def measure_collectives(sizes: tuple[int, int] = (64 * 2**10, 16 * 2**20), repea
 
     Bandwidth counts what each rank sends, as the time model does: (g-1)/g of the buffer for
     all-gather and reduce-scatter, twice that for all-reduce. Every rank reports the slowest
-    rank's median, so all ranks agree. Where the two sizes cannot be told apart (equal, or
-    the larger no slower), the larger one's rate stands alone, without latency.
+    rank's median, so all ranks agree.
     """
+    fits = _measure_collectives(sizes, repeats, group, clock, min_s)
+    return fits[0]
+
+
+def _measure_collectives(sizes: tuple[int, int], repeats: int, group: object | None,
+                         clock: str, min_s: float
+                         ) -> tuple[tuple[dict[str, float], float], tuple[dict[str, float], float]]:
+    """measure_collectives' figures on `clock` and on the wall clock, from the same runs."""
     world = C.world_size(group)
     if world < 2:
         raise ValueError("measure_collectives needs a process group of at least 2 ranks")
-    bw: dict[str, float] = {}
-    latencies = []
     small, large = sorted(sizes)
+    out: list[tuple[dict[str, float], list[float]]] = [({}, []), ({}, [])]
     for kind in KINDS:
         factor = 2 if kind == "all_reduce" else 1
-        t = _slowest([_collective_seconds(_one_collective(kind, size, world, group), repeats,
-                                          clock, group, min_s) for size in (small, large)],
-                     group)
-        sent = [factor * (world - 1) * s / world for s in (small, large)]
-        steps = factor * (world - 1)
-        if sent[1] > 1.5 * sent[0] and t[1] > t[0]:
-            bw[kind] = (sent[1] - sent[0]) / (t[1] - t[0])
-            latencies.append(max(t[0] - sent[0] / bw[kind], 0.0) / steps)
-        else:
-            bw[kind] = sent[1] / t[1]
-            latencies.append(0.0)
-    return bw, statistics.median(latencies)
+        both = [_collective_seconds(_one_collective(kind, size, world, group), repeats,
+                                    clock, group, min_s) for size in (small, large)]
+        t = _slowest([x for pair in both for x in pair], group)
+        for which, (bw, lat) in enumerate(out):
+            bw[kind], latency = _fit((small, large), t[which::2], factor, world)
+            lat.append(latency)
+    return tuple((bw, statistics.median(lat)) for bw, lat in out)  # type: ignore[return-value]
+
+
+class _TinyUnit(nn.Module):
+    """A unit of `params` small parameters (8 x 8 linears and their biases)."""
+
+    def __init__(self, params: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(max(1, params // 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def measure_unit_overhead(units: int = 5, params: int = 6, repeats: int = 5,
+                          clock: str = "wall", min_s: float = 0.0) -> float:
+    """Seconds the engine itself adds to a training step, per unit: hooks, the schedule,
+    issuing and finishing each gather and reduction (the fixed cost of their collectives
+    included), the optimizer step's hooks. A model of `units` units (the root included) of
+    `params` tiny parameters each (best the model's own counts), sharded over the whole world,
+    against the same model unsharded: the work is next to nothing, so the difference is the
+    engine's. Every rank calls this at the same time."""
+    from ..engine.fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    # The root holds parameters of its own, as a model's root does (embedding, head).
+    plain = nn.Sequential(*[_TinyUnit(params) for _ in range(max(units, 2))])
+    sharded = copy.deepcopy(plain)
+    for m in list(sharded)[1:]:
+        fully_shard(m)
+    fully_shard(sharded)
+    x = torch.randn(4, 8)
+
+    def stepper(model: nn.Module) -> Callable[[], None]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    base = _median_seconds(stepper(plain), repeats, clock, warmup=2, min_s=min_s)
+    step = stepper(sharded)
+    step()  # the first step records the order
+    engine = _collective_seconds(step, repeats, clock, None, min_s)[0]
+    return max(engine - base, 0.0) / max(units, 2)
+
+
+# The engine's cost per unit is a small difference of two step times, and at 2 ranks it
+# varies by 2x from one sample to the next (how the ranks' threads meet): longer samples,
+# more of them.
+OVERHEAD_SAMPLE_S = 0.2
+OVERHEAD_REPEATS = 7
 
 
 def _slowest(values: list[float], group: object | None) -> list[float]:
@@ -277,6 +206,13 @@ class Calibration:
     optimizer_bandwidth: float = 0.0
     optimizer_tensor_s: float = 0.0
     cores: int = 0  # cores this rank may run on (0: unknown)
+    # The engine's own seconds per unit per step (measure_unit_overhead; 0: not measured).
+    # With it, latency_s is 0: a collective's fixed cost is part of it.
+    unit_overhead_s: float = 0.0
+    # The collectives on the wall clock, from the same runs (clock "cpu": they take longer
+    # than the CPU they use, waiting on the peer and the kernel).
+    wall_collective_bandwidth: dict[str, float] = field(default_factory=dict)
+    wall_latency_s: float = 0.0
 
     @staticmethod
     def median(cals: list[Calibration]) -> Calibration:
@@ -297,7 +233,10 @@ class Calibration:
              for k in first.collective_bandwidth},
             med(lambda c: c.latency_s), first.memory_bytes, first.clock,
             med(lambda c: c.optimizer_bandwidth), med(lambda c: c.optimizer_tensor_s),
-            first.cores)
+            first.cores, med(lambda c: c.unit_overhead_s),
+            {k: med(lambda c, k=k: c.wall_collective_bandwidth[k])
+             for k in first.wall_collective_bandwidth},
+            med(lambda c: c.wall_latency_s))
 
     @property
     def seconds_scale(self) -> float:
@@ -314,12 +253,18 @@ class Calibration:
                           elementwise_bandwidth=self.elementwise_bandwidth,
                           optimizer_bandwidth=self.optimizer_bandwidth or None,
                           optimizer_tensor_s=self.optimizer_tensor_s,
+                          unit_overhead_s=self.unit_overhead_s,
                           seconds_scale=self.seconds_scale)
 
     def interconnect(self) -> InterconnectProfile:
         bw = self.collective_bandwidth
+        wall = ({"measured": dict(self.wall_collective_bandwidth),
+                 "wall_latency_s": self.wall_latency_s}
+                if self.clock == "cpu" and self.wall_collective_bandwidth else {})
         return InterconnectProfile("local-gloo", bandwidth=min(bw.values()) if bw else 1e9,
-                                   latency_s=self.latency_s, measured=dict(bw))
+                                   latency_s=self.latency_s, measured=dict(bw),
+                                   wall_measured=wall.get("measured", {}),
+                                   wall_latency_s=wall.get("wall_latency_s", 0.0))
 
     def to_dict(self) -> dict:
         return {
@@ -331,6 +276,9 @@ class Calibration:
             "memory_bytes": self.memory_bytes, "clock": self.clock,
             "optimizer_bandwidth": self.optimizer_bandwidth,
             "optimizer_tensor_s": self.optimizer_tensor_s, "cores": self.cores,
+            "unit_overhead_s": self.unit_overhead_s,
+            "wall_collective_bandwidth": self.wall_collective_bandwidth,
+            "wall_latency_s": self.wall_latency_s,
         }
 
 
@@ -338,19 +286,21 @@ def calibrate_in_group(matmul: tuple[int, int, int] = (1024, 1024, 1024),
                        attention: tuple[int, int, int, int] = (4, 8, 128, 64), repeats: int = 5,
                        group: object | None = None, clock: str = "wall",
                        block: TransformerShape | None = None,
-                       optimizer_numel: int = 2**20,
-                       collective_sizes: tuple[int, int] = (64 * 2**10, 16 * 2**20)
-                       ) -> Calibration:
+                       optimizer: tuple[int, int] = (2**22, 32),
+                       collective_sizes: tuple[int, int] = (64 * 2**10, 16 * 2**20),
+                       units: tuple[int, int] | None = None) -> Calibration:
     """Every rank of the current process group calls this at the same time.
 
     matmul: (tokens, d_in, d_out) of the model's typical linear layer.
     attention: (batch, heads, seq, head_dim) of its attention.
     clock: "wall" (default) or "cpu" (see CLOCKS: for comparisons on a shared machine).
-    block: the model's shape: its block, timed whole on attention's (batch, seq), sets the
-      elementwise rate (`block_elementwise_bandwidth`) instead of GELU alone.
-    optimizer_numel: elements of the parameter AdamW is timed on (one rank's largest shard).
+    block: the model's shape: its blocks, timed whole as a stack on attention's (batch,
+      seq), set the elementwise rate (`block_elementwise_bandwidth`) instead of GELU alone.
+    optimizer: (elements, tensors) AdamW is timed on: best one rank's local parameters.
     collective_sizes: two whole-buffer sizes in bytes the collectives are timed at (best
       the model's smallest and largest unit: `measure_collectives`).
+    units: (units, parameters per unit) of the model: measures the engine's own cost per
+      unit (`measure_unit_overhead`; only over the whole world, `group` None).
     """
     world = C.world_size(group)
     C.barrier(group)
@@ -359,19 +309,27 @@ def calibrate_in_group(matmul: tuple[int, int, int] = (1024, 1024, 1024),
     att = measure_attention_efficiency(*attention, matmul_flops=flops, **kw)  # type: ignore[arg-type]
     if block is not None:
         batch, seq = attention[0], attention[2]
-        block_s = measure_block_seconds(block, batch, seq, **kw)  # type: ignore[arg-type]
+        block_s = measure_block_seconds(block, batch, seq, layers=block.n_layers,
+                                        **kw)  # type: ignore[arg-type]
         ew = block_elementwise_bandwidth(block, batch, seq, block_s, flops, att)
     else:
         ew = measure_elementwise_bandwidth(matmul[0] * matmul[2], **kw)  # type: ignore[arg-type]
     mem_bw = measure_memory_bandwidth(**kw)  # type: ignore[arg-type]
-    opt_bw, opt_tensor = measure_optimizer(optimizer_numel, **kw)  # type: ignore[arg-type]
+    opt_bw, opt_tensor = measure_optimizer(*optimizer, **kw)  # type: ignore[arg-type]
     # The slowest rank sets the pace of a synchronous step.
     inv = _slowest([1 / flops, 1 / mem_bw, 1 / att, 1 / ew, 1 / opt_bw, opt_tensor], group)
-    coll, latency = (measure_collectives(collective_sizes, repeats, group, clock, MIN_SAMPLE_S)
-                     if world > 1 else ({}, 0.0))
+    (coll, latency), (wall_coll, wall_latency) = (
+        _measure_collectives(collective_sizes, repeats, group, clock, MIN_SAMPLE_S)
+        if world > 1 else (({}, 0.0), ({}, 0.0)))
+    overhead = 0.0
+    if units is not None and group is None:
+        overhead = _slowest([measure_unit_overhead(*units, repeats=OVERHEAD_REPEATS,
+                                                   clock=clock, min_s=OVERHEAD_SAMPLE_S)],
+                            group)[0]
+        latency = 0.0  # a tiny unit's collectives are all fixed cost: counted in `overhead`
     return Calibration(world, torch.get_num_threads(), {"fp32": 1 / inv[0]}, 1 / inv[1],
                        1 / inv[2], 1 / inv[3], coll, latency, cpu_device().memory_bytes,
-                       clock, 1 / inv[4], inv[5], _cores())
+                       clock, 1 / inv[4], inv[5], _cores(), overhead, wall_coll, wall_latency)
 
 
 def _cores() -> int:

@@ -87,12 +87,14 @@ def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: Devic
     comm_s = sum(links.seconds(c) for c in colls)
     fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
     sync = S > 1 and R > 1
-    overlap = T.overlapped_step(work, colls, links, fixed, sync, copy_s=one_copy)
+    overlap = T.overlapped_step(work, colls, links, fixed, sync, copy_s=one_copy,
+                                reshard_after_forward=reshard)
     serial = T.serial_step(work, colls, links, fixed, copy_s)
     # A device that does not overlap (a CPU's cores also run gloo) replays the schedule with
     # the collectives on the training thread: the serial time, in the engine's order.
     step = overlap if dev.overlap else (
-        T.step_replay(work, colls, links, sync, copy_s=one_copy, overlap=False)
+        T.step_replay(work, colls, links, sync, copy_s=one_copy, overlap=False,
+                      wall_per_second=dev.seconds_scale, reshard_after_forward=reshard)
         .step_seconds() + fixed)
     # [Note: CPU time]: rates timed in CPU time give CPU-seconds; the step is wall seconds.
     k = dev.seconds_scale

@@ -48,6 +48,9 @@ class DeviceProfile:
       OPTIMIZER_PASSES); None: memory_bandwidth. optimizer_tensor_s: the fixed seconds
       each parameter tensor costs the step (Python and dispatch of torch's per-parameter
       path); both measured by calibration.
+    unit_overhead_s: the engine's own seconds per unit per step on the training thread
+      (hooks, the schedule, issuing and finishing collectives, their fixed cost): measured
+      by calibration on a tiny sharded model; 0: not counted.
     seconds_scale: wall seconds per second of the rates above ([Note: CPU time]).
     """
 
@@ -68,6 +71,7 @@ class DeviceProfile:
     elementwise_bandwidth: float | None = None
     optimizer_bandwidth: float | None = None
     optimizer_tensor_s: float = 0.0
+    unit_overhead_s: float = 0.0
     seconds_scale: float = 1.0
 
     def flops(self, dtype_name: str) -> float:
@@ -90,6 +94,9 @@ class InterconnectProfile:
       False: one link per rank (rail-optimized InfiniBand, one HCA per GPU; NVLink).
     measured: bandwidth by collective ("all_gather", "reduce_scatter", "all_reduce") where
       a calibration measured them separately (they differ on gloo); else `bandwidth`.
+    wall_measured, wall_latency_s: where `measured` is in CPU time ([Note: CPU time]), the
+      same collectives' wall-clock bandwidth and latency: how long one takes to complete,
+      as opposed to the CPU it uses; empty: the two are the same.
     """
 
     name: str
@@ -97,6 +104,8 @@ class InterconnectProfile:
     latency_s: float
     shared_per_node: bool = False
     measured: dict[str, float] = field(default_factory=dict)
+    wall_measured: dict[str, float] = field(default_factory=dict)
+    wall_latency_s: float = 0.0
 
     def per_rank_bandwidth(self, ranks_per_node: int, collective: str = "") -> float:
         bw = self.measured.get(collective, self.bandwidth)
@@ -162,7 +171,7 @@ def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: flo
                ranks_per_node: int = 1, name: str = "cpu", attention_efficiency: float = 0.5,
                elementwise_bandwidth: float | None = None,
                optimizer_bandwidth: float | None = None, optimizer_tensor_s: float = 0.0,
-               seconds_scale: float = 1.0) -> DeviceProfile:
+               unit_overhead_s: float = 0.0, seconds_scale: float = 1.0) -> DeviceProfile:
     """This machine's CPU running gloo. The default rates are placeholders: measure them
     with planner.calibrate (`shardwise plan --calibrate`)."""
     if not memory_bytes:
@@ -179,7 +188,7 @@ def cpu_device(memory_bytes: int = 0, flops: float = 5e10, memory_bandwidth: flo
         overlap=False, collective_scratch=True, optimizer_foreach=False, is_cpu=True,
         attention_efficiency=attention_efficiency, elementwise_bandwidth=elementwise_bandwidth,
         optimizer_bandwidth=optimizer_bandwidth, optimizer_tensor_s=optimizer_tensor_s,
-        seconds_scale=seconds_scale)
+        unit_overhead_s=unit_overhead_s, seconds_scale=seconds_scale)
 
 
 def _key(value: str) -> str:

@@ -93,7 +93,8 @@ def table(p: Plan) -> list[str]:
         out.append(f"  {flop(t.model_flops)} per rank per step; step "
                    f"{secs(t.step_s)} (overlapped {secs(t.step_s_overlap)}, serial "
                    f"{secs(t.step_s_serial)}: compute {secs(t.compute_s)}, communication "
-                   f"{secs(t.comm_s)}, optimizer {secs(t.optimizer_s)})")
+                   f"{secs(t.comm_s)}, local copies {secs(t.copy_s)}, optimizer "
+                   f"{secs(t.optimizer_s)})")
         out.append(f"  MFU {100 * t.mfu:.0f}%, {t.tokens_per_s:,.0f} tokens/s for the job")
         out.append(f"  time verdict: {t.verdict}")
     out += [f"  note: {note}" for note in p.notes]

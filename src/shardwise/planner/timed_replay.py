@@ -75,17 +75,21 @@ class Replay:
     engine makes it: copy-in as a gather is issued, copy-out when it is waited for, the
     pack as a reduction is issued, the sum and casts when it finishes. `overlap=False`: a
     collective runs on the training thread's cores (a CPU running gloo), so the compute
-    clock pays it as it is issued.
+    clock pays its `seconds` as it is issued, and it completes `wire(kind, unit, phase)`
+    later (its wall-clock time, at least its work; in issue order): a wait right after an
+    issue waits for it, one after other work does not.
     """
 
     def __init__(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  seconds: Callable[[str, int, str], float], *, reshard_after_forward: bool,
                  sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
                  copy_s: Callable[[str, int], float] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True,
+                 wire: Callable[[str, int, str], float] | None = None) -> None:
         self.fwd, self.bwd, self.seconds = forward_s, backward_s, seconds
         self.copy_s = copy_s
         self.overlap = overlap
+        self.wire = wire
         self.sync_all_reduce = sync_all_reduce
         self.units = [_TimedUnit(self, i, reshard_after_forward) for i in range(len(forward_s))]
         self.schedule: Schedule[_TimedUnit] = Schedule(self.units, limits)
@@ -105,10 +109,13 @@ class Replay:
         if d <= 0:
             return at
         start = max(self.comm, at)
-        self.comm = start + d
+        if self.overlap:
+            self.comm = start + d
+        else:
+            self.comp = max(self.comp, at) + d  # the cores do its work now
+            w = self.wire(kind, unit, self.phase) if self.wire is not None else d
+            self.comm = max(start + w, self.comp)
         self.timeline.append((kind, unit, start, self.comm))
-        if not self.overlap:
-            self.comp = max(self.comp, self.comm)
         return self.comm
 
     def copy(self, kind: str, unit: int) -> None:

@@ -121,6 +121,15 @@ class Links:
             lat = max(lat, self.inter.latency_s)
         return c.steps * lat + c.sent_bytes / bw
 
+    def wall_seconds(self, c: Collective) -> float:
+        """How long `c` takes to complete where `seconds` is the CPU it uses (a CPU
+        calibrated in CPU time: InterconnectProfile.wall_measured); else `seconds`."""
+        link = self.intra
+        if c.inter_node or not link.wall_measured:
+            return self.seconds(c)
+        bw = link.wall_measured.get(c.kind) or link.per_rank_bandwidth(1, c.kind)
+        return c.steps * link.wall_latency_s + c.sent_bytes / bw
+
 
 @dataclass(frozen=True)
 class UnitWork:
@@ -138,7 +147,8 @@ def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int
     Matmuls run at the device's achievable rate, attention at its own fraction of it,
     non-matmul layers at the elementwise bandwidth. Forward is a third of the FLOPs,
     backward two thirds; activation checkpointing runs each block's forward once more
-    inside backward (hardware FLOPs only).
+    inside backward (hardware FLOPs only). Each unit also pays the engine's own work
+    (`DeviceProfile.unit_overhead_s`), half in forward, half in backward.
     """
     rate = device.flops(dtype_name)
     att_rate = rate * device.attention_efficiency
@@ -162,16 +172,19 @@ def unit_work(costs: list[UnitCost], shape: TransformerShape | None, tokens: int
         model_flops += blocks + other
         hw_flops += blocks + other + (blocks / 3 if checkpointing else 0.0)
         elementwise = ELEMENTWISE_PASSES * acts / ew_bw
-        fwd.append(seconds / 3 + elementwise / 3)
+        # The engine's own work per unit (hooks, issuing its collectives), half each way.
+        engine = device.unit_overhead_s / 2
+        fwd.append(seconds / 3 + elementwise / 3 + engine)
         bwd.append(2 * seconds / 3 + (block_s / 3 if checkpointing else 0.0)
-                   + 2 * elementwise / 3)
+                   + 2 * elementwise / 3 + engine)
     return UnitWork(tuple(fwd), tuple(bwd)), model_flops, hw_flops
 
 
 def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
                     optimizer_s: float, sync_all_reduce: bool,
                     limits: Limits = DEFAULT_LIMITS,
-                    copy_s: Callable[[str, int], float] | None = None) -> float:
+                    copy_s: Callable[[str, int], float] | None = None,
+                    reshard_after_forward: bool | None = None) -> float:
     """Seconds per step with communication on its own stream, in the engine's order.
 
     The order is the engine's own: its `Schedule` drives clock-keeping units
@@ -180,26 +193,36 @@ def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
     finish_reduce on the training thread, so compute waits for it. `copy_s(kind, unit)`:
     the seconds of the unit's local copies of each kind ([Note: local copies]).
     """
-    replay = step_replay(work, colls, links, sync_all_reduce, limits, copy_s)
+    replay = step_replay(work, colls, links, sync_all_reduce, limits, copy_s,
+                         reshard_after_forward=reshard_after_forward)
     return replay.step_seconds() + optimizer_s
 
 
 def step_replay(work: UnitWork, colls: list[Collective], links: Links,
                 sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
                 copy_s: Callable[[str, int], float] | None = None,
-                overlap: bool = True) -> Replay:
+                overlap: bool = True, wall_per_second: float = 1.0,
+                reshard_after_forward: bool | None = None) -> Replay:
     """The time replay `overlapped_step` runs (not run yet): collectives priced by `links`.
-    `overlap=False`: the collectives take the training thread's cores (a CPU's gloo)."""
+    `overlap=False`: the collectives take the training thread's cores (a CPU's gloo) and
+    complete after their wall-clock time (`Links.wall_seconds`, counted in the replay's
+    seconds: divided by `wall_per_second`, the profile's seconds_scale).
+    `reshard_after_forward`: None reads it off `colls` (backward gathers), which one rank,
+    gathering nothing, cannot show."""
     by: dict[tuple[str, int, str], float] = {}
+    wall: dict[tuple[str, int, str], float] = {}
     for c in colls:
         key = (c.kind, c.unit, c.phase)
         by[key] = by.get(key, 0.0) + links.seconds(c)
+        wall[key] = wall.get(key, 0.0) + links.wall_seconds(c) / wall_per_second
     # Gathers are listed per phase; reductions are all "backward".
-    reshard = any(c.kind == "all_gather" and c.phase == "backward" for c in colls)
+    reshard = (any(c.kind == "all_gather" and c.phase == "backward" for c in colls)
+               if reshard_after_forward is None else reshard_after_forward)
     return Replay(work.forward_s, work.backward_s,
                   lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
                   reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
-                  limits=limits, copy_s=copy_s, overlap=overlap)
+                  limits=limits, copy_s=copy_s, overlap=overlap,
+                  wire=lambda kind, unit, phase: wall.get((kind, unit, phase), 0.0))
 
 
 def serial_step(work: UnitWork, colls: list[Collective], links: Links,
