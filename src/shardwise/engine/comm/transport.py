@@ -95,12 +95,6 @@ def reduces_in_parts(transport: Transport, reduce_dtype: torch.dtype,
             and all(d == reduce_dtype for d in grad_dtypes))
 
 
-def parts_kind(kind: str) -> bool:
-    """The planner's form of the same rule, by transport kind (its dtype rule is
-    `reduces_in_parts`'s)."""
-    return kind == "pair"
-
-
 class Allocator(Protocol):
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
     def release(self, buf: torch.Tensor) -> None: ...
