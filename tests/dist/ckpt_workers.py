@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
 from shardwise.engine.comm import collectives as C
+from shardwise.engine.dtensor import local_of
 from shardwise.engine.inspect import named_sharded_params
 from tests.models import loss_fn, make_batch, make_model
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from tests.clients import DCBlock, DCNet, GPTShape, NanoGPT, add_lora, gpt_batch
 from tests.clients import Block as GPTBlock
+from tests.clients import DCBlock, DCNet, GPTShape, NanoGPT, add_lora, gpt_batch
 from tests.dist.harness import compare_params, run_parity
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.tensor import DTensor

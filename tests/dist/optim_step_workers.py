@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests.dist.dtensor_workers import backward, make, ref_backward, shard

@@ -138,7 +138,7 @@ def copies_case(rank: int, world: int, cfg_kw: dict,
 
         def copied() -> dict[str, int]:
             total: dict[str, int] = {}
-            for u in ctx.units:
+            for u in ctx.units:  # noqa: B023 - called within this iteration
                 for k, v in u.copied.items():
                     total[k] = total.get(k, 0) + v
             return total

@@ -23,8 +23,8 @@ def test_torchtitan_dp2(tmp_path: Path) -> None:
     """torchtitan's parallelize_llama at dp 2 with sw.patched_fsdp2(): losses, grad norms
     (its clip_grad_norm_) and final parameters match FSDP2's, fp32 with its activation
     checkpointing within 1e-5 and bf16 parameters with fp32 reduction within 1e-3, with
-    the same FSDPModule units; its meta init gives FSDP2's weights (check_meta_init). The fp32 run is
-    saved with torchtitan's CheckpointManager (DCP) and loaded at dp 1 and dp 3 (meta init
+    the same FSDPModule units; its meta init gives FSDP2's weights (check_meta_init). The fp32
+    run is saved with torchtitan's CheckpointManager (DCP) and loaded at dp 1 and dp 3 (meta init
     checked there too: at dp 3 nothing divides)."""
     folder = str(tmp_path / "ckpt")
     results = run_distributed(T.dp2_runs, 2, folder)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -238,7 +238,8 @@ def bad_input(rank: int, world: int) -> list[str]:
                              (mesh["tp"], "is not a dp dimension")):
         model = build()
         parallelize_module(model.blocks[0], mesh["tp"], PLAN)
-        msgs.append(expect_error(lambda: sw.fully_shard(model.blocks[0], mesh=bad_mesh),
+        msgs.append(expect_error(lambda: sw.fully_shard(model.blocks[0],  # noqa: B023
+                                                        mesh=bad_mesh),  # noqa: B023
                                  needle, "mesh['dp']"))
     # shard_model with a TP model and no mesh: the same error.
     model = build()

@@ -6,10 +6,11 @@ the parameters" check to loading (issue 12, defect 4).
 dp_state_dict_dtensors is the DTensor half of test_dp_state_dict_save_load (model.state_dict()
 values as DTensors sharing storage with the sharded parameters, also between a forward and
 its backward, and load_state_dict of DTensors). Left out: test_cached_state_dict (DTensor
-local storage across steps), the use_shard_placement_fn variants. Left out, other reasons: the HSDP meshes of
-test_dp_state_dict_save_load, test_2d_state_dict_correctness, test_dp_tp_state_dict_save_load,
-test_hsdp_tp_state_dict_save_load (2-D/TP meshes); cpu_state_dict=False and pin_memory=True of
-test_dp_state_dict_cpu_offload (need an accelerator).
+local storage across steps), the use_shard_placement_fn variants. Left out, other reasons:
+the HSDP meshes of test_dp_state_dict_save_load, test_2d_state_dict_correctness,
+test_dp_tp_state_dict_save_load, test_hsdp_tp_state_dict_save_load (2-D/TP meshes);
+cpu_state_dict=False and pin_memory=True of test_dp_state_dict_cpu_offload (need an
+accelerator).
 """
 
 from __future__ import annotations
