@@ -18,7 +18,17 @@ the checkpoint code and torch.distributed.checkpoint.
 Only optimizers known to be elementwise per parameter take the path (exact classes: a
 subclass may override `step`), and not with a closure (it would recompute gradients into the
 DTensor parameters) or `differentiable=True`. Anything else (Muon, Shampoo, LAMB, a custom
-optimizer reading norms) keeps DTensor semantics, which are correct for any update.
+optimizer reading norms) keeps DTensor semantics, which are correct for any update. Nor does
+an optimizer with step hooks of its own, or any other global step hook: torch runs global
+pre-hooks first, so those would see the plain aliases (a norm over `param_groups` would be
+this rank's alone, a gradient assigned to the module's parameter would not be the one the
+step uses).
+
+[Note: stepped shards] A unit left gathered across a step (the root after a grad-enabled
+forward with no backward, a metric say) regathers at its next forward when a shard changed
+since its gather, which it reads from the shards' version counters (unit.py). torch's fused
+kernels (`fused=True`) write in place without bumping them, so after every optimizer step
+the post-hook bumps the counter of each of the engine's parameters the optimizer holds.
 """
 
 from __future__ import annotations
@@ -67,8 +77,24 @@ def _face(p: torch.Tensor) -> torch.Tensor | None:
     return face
 
 
+def _others_hooked(opt: torch.optim.Optimizer) -> bool:
+    """Step hooks besides shardwise's own (these, misuse.py's): they must see the DTensor
+    parameters."""
+    from torch.optim import optimizer as O
+
+    def foreign(hooks: dict) -> bool:
+        return any(not getattr(h, "__module__", "").startswith("shardwise.")
+                   for h in hooks.values())
+
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or foreign(O._global_optimizer_pre_hooks)
+                or foreign(O._global_optimizer_post_hooks))
+
+
 def _applies(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
     if type(opt) not in ELEMENTWISE or opt.defaults.get("differentiable", False):
+        return False
+    if _others_hooked(opt):
         return False
     # args[0] is the optimizer itself; a closure recomputes gradients into the DTensors.
     return len(args) <= 1 and kwargs.get("closure") is None
@@ -76,7 +102,7 @@ def _applies(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
 
 def _pre(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if opt in _active:  # the previous step raised before its post-hook: undo it first
-        _post(opt, args, kwargs)
+        _restore(opt)
     if not _applies(opt, args, kwargs):
         return
     swap = _Swap()
@@ -99,7 +125,21 @@ def _pre(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         _active[opt] = swap
 
 
+def _mark_stepped(opt: torch.optim.Optimizer) -> None:
+    """[Note: stepped shards]: what the step may have written, as written."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            sp = getattr(p, "_sw_param", None)
+            if sp is not None and not sp.direct:
+                torch.autograd.graph.increment_version(sp.padded_shard)
+
+
 def _post(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _restore(opt)
+    _mark_stepped(opt)
+
+
+def _restore(opt: torch.optim.Optimizer) -> None:
     swap = _active.pop(opt, None)
     if swap is None:
         return
@@ -124,7 +164,8 @@ def _post(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
 
 
 def ensure_registered() -> None:
-    """Install the global hooks once per process (the first sharded DTensor parameter)."""
+    """Install the global hooks once per process (the first sharded parameter that is not
+    direct: the fast path and [Note: stepped shards])."""
     global _registered
     if not _registered:
         register_optimizer_step_pre_hook(_pre)
