@@ -78,8 +78,11 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     dtype = unit.reduce_dtype_for[g.dtype]
     complete = all(x is not None for x in grads)
     flags = _flags(unit, g, grads, dtype, complete)
-    if S > 1 and reduces_in_parts(unit.transport, dtype, [x.dtype for x in grads
-                                                          if x is not None]):
+    # Decided from the bucket's compute dtype, never from this rank's gradients: one
+    # accumulated under no_sync is already in the reduce dtype (unit.py), so ranks that used
+    # a parameter in different micro-batches would take different paths (and their
+    # messages would not match).
+    if S > 1 and reduces_in_parts(unit.transport, dtype, [g.dtype]):
         return _reduce_in_parts(unit, g, grads, dtype, flags, complete, start)
     k = len(g.grad_params)
     width = g.grad_numel + k

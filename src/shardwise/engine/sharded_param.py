@@ -179,14 +179,19 @@ class ShardedParam:
         return self.unsharded.grad is not None or self.acc_grad is not None
 
     def local_grad(self) -> torch.Tensor | None:
-        """This rank's full-shape gradient not yet handed to a reduction (None if none).
+        """This rank's full-shape gradient not yet handed to a reduction (None if none);
+        direct, the whole gradient it holds.
 
         Not a predicate: gradients accumulated under no_sync are folded into `acc_grad`
         here (see `has_local_grad` for the question alone).
         """
         if self.direct:
-            g = self.sharded.grad
-            return g if self._direct_grad_is_new(g) else None
+            # All of it, even unchanged since the last reduction: that reduction replaced
+            # the gradient with the mean on every rank, so what a rank accumulated since is
+            # on top of it (a rank that did not use the parameter again still holds its
+            # share). Sending zeros instead lost it (NO_SHARD without zero_grad, or a unit
+            # reduced twice in one backward).
+            return self.sharded.grad
         g = self.unsharded_grad()
         if self.acc_grad is None:
             return g
