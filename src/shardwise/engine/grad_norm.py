@@ -9,7 +9,7 @@ from torch import nn
 
 from .checks import check_bool, check_module, check_number
 from .comm import collectives as C
-from .inspect import sharded_params, units_of
+from .inspect import units_of
 
 
 def clip_grad_norm_(
@@ -29,45 +29,67 @@ def clip_grad_norm_(
         norm_type = {"inf": math.inf, "fro": 2.0}[norm_type]
     norm_type = check_number("norm_type", norm_type, positive=True, finite=False)
     check_bool("error_if_nonfinite", error_if_nonfinite)
-    sps = sharded_params(model)
     units = units_of(model)
-    sharded_ids = {id(p.sharded) for p in sps}
-    # Plain local rows of the DTensor gradients: the reduction is ours, below. Under TP,
-    # pieces that differ across TP ranks add up across tp as well ([Note: FSDP x TP]);
-    # those replicated across tp (norms, a tied embedding) are counted once.
-    tp_split = [p for p in sps if p.tp is not None and p.tp.tp_sharded]
-    split_ids = {id(p) for p in tp_split}
-    tp_grads = [g for g in (p.shard_grad for p in tp_split) if g is not None]
-    shard_grads = [g for g in (p.shard_grad for p in sps if id(p) not in split_ids)
-                   if g is not None]
+    sharded_ids = {id(p.sharded) for u in units for p in u.params}
     local_grads = [p.grad for p in model.parameters()
                    if id(p) not in sharded_ids and p.grad is not None]
     device = units[0].mesh.device if units else torch.device("cpu")
+    op = "max" if norm_type == math.inf else "sum"
 
     def partial(grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads:
+        # An empty shard (fewer rows than ranks) adds nothing, and has no inf norm at all.
+        norms = [g.detach().float().norm(norm_type).to(device) for g in grads if g.numel()]
+        if not norms:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch.stack([g.detach().float().norm(norm_type).to(device) for g in grads])
-        return norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+        stacked = torch.stack(norms)
+        return stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()
 
-    total = partial(shard_grads)
-    if tp_split:
-        tp_part = partial(tp_grads)
-        C.all_reduce(tp_part, tp_split[0].tp.ctx.tp_mesh.get_group(),  # type: ignore[union-attr]
-                     op="max" if norm_type == math.inf else "sum", label="clip_grad_norm_ tp")
-        total = torch.maximum(total, tp_part) if norm_type == math.inf else total + tp_part
-    if units and units[0].mesh.shard_size > 1:
-        C.all_reduce(total, units[0].mesh.shard_group,
-                     op="max" if norm_type == math.inf else "sum", label="clip_grad_norm_")
-    extra = partial(local_grads)
-    if norm_type == math.inf:
-        total = torch.maximum(total, extra)
-    else:
-        total = (total + extra).pow(1.0 / norm_type)
+    def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b) if norm_type == math.inf else a + b
+
+    # Each unit's shards are reduced over its own shard group: units may sit on different
+    # meshes (a replicated block beside a sharded root), and one group for all counted a
+    # replicated gradient once per rank or left a sharded one unreduced. Groups in model
+    # order, the same on every rank. Under TP, pieces that differ across TP ranks add up
+    # across tp as well ([Note: FSDP x TP]); those replicated across tp (norms, a tied
+    # embedding) are counted once.
+    by_group: dict[int, tuple[object, list, list, list]] = {}
+    seen: set[int] = set()  # a parameter listed by two units (a list-form unit) counts once
+    for u in units:
+        key = id(u.mesh.shard_group) if u.mesh.shard_size > 1 else 0
+        entry = by_group.setdefault(key, (u.mesh, [], [], []))
+        for p in u.params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = p.shard_grad
+            if g is None:
+                continue
+            split = p.tp is not None and p.tp.tp_sharded
+            (entry[2] if split else entry[1]).append(g)
+            if split:
+                entry[3].append(p)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    grads_seen: list[torch.Tensor] = []
+    for mesh, plain, tp_grads, tp_params in by_group.values():
+        part = partial(plain)
+        if tp_params:
+            tp_part = partial(tp_grads)
+            C.all_reduce(tp_part, tp_params[0].tp.ctx.tp_mesh.get_group(), op=op,
+                         label="clip_grad_norm_ tp")
+            part = combine(part, tp_part)
+        if mesh.shard_size > 1:  # type: ignore[attr-defined]
+            C.all_reduce(part, mesh.shard_group, op=op,  # type: ignore[attr-defined]
+                         label="clip_grad_norm_")
+        total = combine(total, part)
+        grads_seen += plain + tp_grads
+    total = combine(total, partial(local_grads))
+    if norm_type != math.inf:
+        total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in shard_grads + tp_grads + local_grads:
+        for g in grads_seen + local_grads:
             g.mul_(coef.to(g.device, g.dtype))
     return total
