@@ -11,8 +11,12 @@ norm) works on the plain local tensors and never dispatches through DTensor.
 
 Kept plain, deliberately (the tensor *is* the whole parameter on every rank, so torch's tools
 already give the unsharded answer on it): parameters of a shard group of one rank (NO_SHARD,
-a one-rank world) and 0-d parameters (a scalar cannot be `Shard(0)`; internally it is one row
-held by shard rank 0, see [Note: layout]).
+a one-rank world). A 0-d parameter (FSDP2 refuses them) is one row held by shard rank 0
+([Note: layout]), and a scalar cannot be `Shard(0)`: its face is a `Shard(0)` DTensor of
+global shape (1,), so torch's tools (state dicts, DCP, `clip_grad_norm_`) see its value
+once, where it lives. A plain face there made them read the other ranks' empty rows as
+copies of the parameter (DCP stored it empty). `sw.full_state_dict` and shardwise's own
+checkpoints give it back with shape ().
 """
 
 from __future__ import annotations

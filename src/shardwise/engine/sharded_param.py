@@ -76,8 +76,14 @@ class ShardedParam:
         self.pin_memory = pin_memory and self.host_device.type == "cpu" and device.type == "cuda"
 
         # How the module presents the shard ([Note: DTensor parameters]); None: plain.
-        self.spec = (DT.spec_for(device_mesh, self.orig_shape, self.orig_dtype)
-                     if device_mesh is not None and param.dim() > 0 else None)
+        # A 0-d parameter is one row held by shard rank 0 ([Note: layout]); its face is that
+        # row as a DTensor of global shape (1,), so torch's tools see the value once, on
+        # the rank that has it (plain, the other ranks' empty rows read as copies of it:
+        # DCP saved the parameter empty).
+        self.spec = (DT.spec_for(device_mesh, self.orig_shape if param.dim() > 0
+                                 else torch.Size([1]), self.orig_dtype)
+                     if device_mesh is not None and (param.dim() > 0 or self.tp is None)
+                     else None)
         if self.tp is not None and param.dim() > 0:
             self.spec = self.tp.sharded_spec(self.orig_dtype)
 
