@@ -27,6 +27,10 @@ class Built:
     logits: Callable[[torch.Tensor], torch.Tensor]  # (B, T) -> (B, T, V)
     n_params: int  # every parameter (global shapes)
     n_trainable: int
+    # Masked targets (--model.hf data: prompts, padding): (x, y) -> (summed loss, counted
+    # targets), so a step weighs each micro-batch by what it counts (trainer.py).
+    loss_sum: Callable[[torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def build_gpt(cfg: Config, mesh: DeviceMesh | None = None) -> GPT:
@@ -77,7 +81,8 @@ def build(cfg: Config, mesh: DeviceMesh | None = None) -> Built:
         model = hf_model.build_hf(cfg)
         total, trainable = hf_model.n_params(model)
         built = Built(model, lambda x, y: hf_model.loss(model, x, y),
-                      lambda x: hf_model.logits(model, x), total, trainable)
+                      lambda x: hf_model.logits(model, x), total, trainable,
+                      lambda x, y: hf_model.loss_sum(model, x, y))
     else:
         gpt = build_gpt(cfg, mesh)
         n = cfg.model.gpt().num_params()

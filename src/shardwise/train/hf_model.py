@@ -80,6 +80,16 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE)
 
 
+def loss_sum(model: nn.Module, x: torch.Tensor,
+             y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, number of counted targets) of (B, T) inputs and targets: a
+    batch whose targets are all masked sums to 0 instead of a mean's NaN."""
+    logits = model(input_ids=x).logits
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                            ignore_index=IGNORE, reduction="sum")
+    return total, (y != IGNORE).sum()
+
+
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x).logits
 

@@ -34,6 +34,7 @@ from .config import Config, TrainSection
 from .faults import FaultInjector
 from .guard import NonFiniteGuard
 from .identity import run_keys
+from .losses import counted_targets, evaluate
 from .metrics import MB, STATE_BYTES_PER_PARAM, MetricsFile, memory_mb, peak_memory_mb
 from .model import GPT
 from .sampling import ByteCodec, HFCodec, sample_text
@@ -127,24 +128,6 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
-
-
-@torch.no_grad()
-def evaluate(built: Built, val: Any, cfg: Config, rank: int, world: int,
-             device: torch.device) -> float:
-    """Mean loss over the fixed validation batches of every rank."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    seq = cfg.model.seq_len()
-    tp = cfg.parallel.tp  # a TP group shares its batches; the sum counts each tp times
-    if cfg.model.hf:
-        from .token_cache import val_batches
-    else:
-        val_batches = D.val_batches
-    for x, y in val_batches(val, seq, cfg.train.batch_size, rank // tp, world // tp,
-                            cfg.train.eval_batches, device):
-        total += built.loss(x, y).double()
-    Cm.all_reduce(total, None, label="validation loss")
-    return total.item() / (world * cfg.train.eval_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,22 +247,34 @@ class Trainer:
         self.tracing.before(step)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(t.grad_accum):
-            x, y = self.stream.next()
+        batches = [self.stream.next() for _ in range(t.grad_accum)]
+        # Masked targets (--model.hf): the step's loss is the mean over every counted target
+        # of every rank's micro-batches, so each is weighed by its count. A plain mean per
+        # micro-batch, averaged, made the loss and the gradient depend on the split.
+        weigh = self.built.loss_sum is not None
+        counted = counted_targets(batches, self.device) if weigh else 0.0
+        for micro, (x, y) in enumerate(batches):
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
-                loss = self.built.loss(x, y)
+                if weigh:
+                    loss = self.built.loss_sum(x, y)[0]  # type: ignore[misc]
+                    # The reduction averages the dp ranks (TP ranks count the same targets).
+                    scale = self.world / max(counted, 1.0)
+                else:
+                    loss, scale = self.built.loss(x, y), 1.0 / t.grad_accum
                 if self.faults is not None:
                     loss = self.faults.loss(loss, step, self.rank)
-                scaler.scale(loss / t.grad_accum).backward()
+                scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
         norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf).item()
         # Every rank's loss (and memory) in one small all-gather, so the mean loss, NaN if
         # any rank's is, is the same on every rank before anything is applied.
-        per_rank = Cm.all_gather_floats([loss_sum.item() / t.grad_accum, memory_mb(self.device)])
-        loss_mean = sum(r[0] for r in per_rank) / self.world
+        mine = loss_sum.item() if weigh else loss_sum.item() / t.grad_accum
+        per_rank = Cm.all_gather_floats([mine, memory_mb(self.device)])
+        loss_mean = sum(r[0] for r in per_rank) / (max(counted, 1.0) if weigh
+                                                   else self.world)
         # Decided alike on every rank: a stop raises here, so no checkpoint is ever saved
         # after a non-finite step.
         applied = self.guard.check(step, loss_mean, norm)
