@@ -2,9 +2,9 @@
 different numbers of counted targets. docs/training.md: "The loss is the mean over counted
 targets." With the same global batch and the same (pretrained) starting weights, the step-1
 loss must be that mean whichever way the batch is split: one rank x 2 rows, one rank x 1 row
-x grad_accum 2, or 2 ranks x 1 row. The trainer averages each micro-batch's own mean with
+x grad_accum 2, or 2 ranks x 1 row. The trainer averaged each micro-batch's own mean with
 equal weights (trainer.py: loss / grad_accum, and the ranks' mean), so the logged loss (and
-the gradient) depend on the split.
+the gradient) depended on the split.
 """
 
 from __future__ import annotations
