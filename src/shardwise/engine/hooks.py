@@ -23,6 +23,7 @@ When each unit gathers, reshards and reduces is the schedule's decision (schedul
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -49,8 +50,21 @@ def _not_traced(fn: Any) -> Any:
     Dynamo tracing them specialized graphs on engine state (recompiling as it changed) and
     replayed stale buffer-pool decisions at step 2. Excluded from tracing, they run between
     the compiled pieces of a module, exactly as in eager mode.
+
+    [Note: inference mode] They also run outside `torch.inference_mode()` (grad mode as it
+    was): what they allocate (gathered parameters, pooled buffers) outlives the call, and
+    made as inference tensors it broke the next training step's in-place copies.
     """
-    return torch._dynamo.disable(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            return fn(*args, **kwargs)
+
+    return torch._dynamo.disable(run)
 
 
 class _PostBackward(torch.autograd.Function):
