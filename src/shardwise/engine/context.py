@@ -22,7 +22,7 @@ from .comm import collectives as C
 from .events import EventSink
 from .freeze_check import FreezeCheck
 from .lockstep import find_groups
-from .schedule import Limits, Schedule, TrainingState
+from .schedule import Limits, Schedule, ShardedState, TrainingState
 from .tp import check_params_in_place
 from .unit import Unit
 
@@ -128,11 +128,19 @@ class ModelContext:
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
-            # Still gathered from a forward that no backward followed (grad enabled, the
-            # root and reshard_after_forward=False units keep their parameters), and the
-            # shards changed since (an optimizer step): the full parameters are stale.
-            if u.shards_changed_since_gather():
-                u.reshard()
+        # Still gathered from a forward that no backward followed (grad enabled, the root
+        # and reshard_after_forward=False units keep their parameters), or kept by
+        # reshard_after_backward=False, and the shards changed since (an optimizer step, a
+        # write through `.data`): the full parameters are stale. Decided alike on every
+        # rank: a rank whose shard is empty sees no change where the others do, and a
+        # reshard on some ranks only would gather on those alone.
+        kept = [u for u in self.units if u.state is ShardedState.UNSHARDED]
+        if kept:
+            stale = C.any_on_all([u.shards_changed_since_gather() for u in kept],
+                                 label="stale gathered parameters")
+            for u, s in zip(kept, stale):
+                if s:
+                    u.reshard()
         if torch.is_grad_enabled():
             self.freeze_check.start()  # settled before the first reduction (ensure_backward)
         self.schedule.begin_forward()

@@ -325,8 +325,22 @@ class Unit:
 
     def shards_changed_since_gather(self) -> bool:
         """Unsharded, and some shard was written in place since it was gathered."""
-        return (self.state is ShardedState.UNSHARDED
-                and self._shard_versions() != self._gathered_versions)
+        if self.state is not ShardedState.UNSHARDED:
+            return False
+        if self._shard_versions() != self._gathered_versions:
+            return True
+        # A write through `.data` bumps no counter: this rank's rows of each gathered
+        # parameter must still be its shard (cast as the gather cast it). Only units still
+        # gathered at a forward's start pay this (a forward that no backward followed,
+        # reshard_after_backward=False).
+        for p in self.params:
+            if p.direct:
+                continue
+            mine = p.unsharded_rows_view()[p.shard_rank][: p.local_rows * p.row_numel]
+            if not torch.equal(mine, p.local.reshape(-1).to(device=mine.device,
+                                                            dtype=mine.dtype)):
+                return True
+        return False
 
     def reshard(self) -> None:
         """Free the full parameters; the modules see the shards again."""

@@ -142,6 +142,15 @@ def agree(flag: bool, group: ProcessGroup | None = None, label: str = "") -> boo
     return _max_on_all([0 if flag else 1], group, "agree", label)[0] == 0
 
 
+def any_on_all(flags: list[bool], group: ProcessGroup | None = None,
+               label: str = "") -> list[bool]:
+    """Each flag, True on every rank where it is True on any (one tiny all-reduce): for a
+    decision every rank must take alike from what only some can see."""
+    if not is_initialized():
+        return flags
+    return [v == 1 for v in _max_on_all([int(f) for f in flags], group, "any", label)]
+
+
 def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") -> bool:
     """True on every rank iff every rank passed the same integer (one tiny all-reduce)."""
     if not is_initialized() or world_size(group) == 1:
