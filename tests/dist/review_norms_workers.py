@@ -11,17 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
+from tests.dist.review_path_workers import Block
 
 PER_RANK = 3
-
-
-class Block(nn.Module):
-    def __init__(self, d_in: int, d_out: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
 
 
 class Net(nn.Module):

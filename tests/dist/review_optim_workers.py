@@ -60,6 +60,17 @@ def _diffs(model: nn.Module, ref: nn.Module) -> dict[str, float]:
     return {n: (full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()}
 
 
+def _step_both(opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer) -> None:
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+
+
+def _check(model: nn.Module, ref: nn.Module, what: str) -> None:
+    bad = {n: d for n, d in _diffs(model, ref).items() if d > TOL}
+    assert not bad, f"{what}: parameters differ from the unsharded run: {bad}"
+
+
 def fused_step_after_forward_without_backward(rank: int, world: int, name: str,
                                               fused: bool = True) -> None:
     """A grad-enabled forward that no backward follows (a metric) between backward and
@@ -78,13 +89,8 @@ def fused_step_after_forward_without_backward(rank: int, world: int, name: str,
         x, _ = _batch(50 + step)
         model(x)  # e.g. a training-accuracy metric, computed without torch.no_grad()
         ref(x)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    diffs = _diffs(model, ref)
-    bad = {n: d for n, d in diffs.items() if d > TOL}
-    assert not bad, f"{name}(fused={fused}): parameters differ from the unsharded run: {bad}"
+        _step_both(opt, ref_opt)
+    _check(model, ref, f"{name}(fused={fused})")
 
 
 def step_pre_hook_sees_dtensor_parameters(rank: int, world: int, kind: str,
@@ -114,10 +120,5 @@ def step_pre_hook_sees_dtensor_parameters(rank: int, world: int, kind: str,
     for step in range(3):
         _backward(model, step, rank, world)
         _backward(ref, step)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    diffs = _diffs(model, ref)
-    bad = {n: d for n, d in diffs.items() if d > TOL}
-    assert not bad, f"step pre-hook ({kind}): parameters differ from the unsharded run: {bad}"
+        _step_both(opt, ref_opt)
+    _check(model, ref, f"step pre-hook ({kind})")
