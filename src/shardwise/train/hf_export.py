@@ -83,12 +83,32 @@ def _adapted(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor,
     return {k: (v["A"], v["B"]) for k, v in pairs.items()}
 
 
+def _stored_transposed(src: str) -> list[str]:
+    """Module names whose weight the base model stores as (in, out): transformers' Conv1D
+    (GPT-2). peft adds (B @ A).T there (fan_in_fan_out), and a square one gives no shape
+    error to tell the orientations apart."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    return [n for n, m in skeleton.named_modules() if isinstance(m, Conv1D)]
+
+
+def _is_transposed(key: str, transposed: list[str]) -> bool:
+    # A file's keys may lack the model's base prefix ("h.0..." for "transformer.h.0...").
+    module = key.removesuffix(".weight")
+    return any(n == module or n.endswith("." + module) or module.endswith("." + n)
+               for n in transposed)
+
+
 def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     src = cfg.model.hf
     pairs = _adapted(adapters)
+    transposed = _stored_transposed(src)
     scale = cfg.lora.scale() / cfg.lora.rank
     index = os.path.join(src, "model.safetensors.index.json")
     files = (sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
@@ -102,7 +122,10 @@ def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str) -> None:
                 t = f.get_tensor(key)
                 if key in pairs:
                     a, b = pairs[key]
-                    t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)
+                    delta = b.float() @ a.float()  # (out, in)
+                    if _is_transposed(key, transposed):
+                        delta = delta.T
+                    t = (t.float() + scale * delta).to(t.dtype)
                     used.add(key)
                 tensors[key] = t.contiguous()
         save_file(tensors, os.path.join(out, name), metadata=meta)
