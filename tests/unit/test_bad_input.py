@@ -23,6 +23,7 @@ from shardwise.testing import run_distributed
 from shardwise.train import options
 
 from . import bad_inputs as B
+from . import bad_inputs_dist as BD
 from .bad_inputs_cli import CLI_CASES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,12 +175,12 @@ def test_cli_subprocess_exit_2(argv: tuple[str, ...],
 
 
 def test_two_ranks_all_raise_before_any_collective(tmp_path: Path) -> None:
-    results = run_distributed(B.dist_worker, 2, str(tmp_path), timeout_s=120,
+    results = run_distributed(BD.dist_worker, 2, str(tmp_path), timeout_s=120,
                               collective_timeout_s=30)
     for rank, got in enumerate(results):
-        assert [name for name, _, _ in got] == list(B.DIST_EXPECT), rank
+        assert [name for name, _, _ in got] == list(BD.DIST_EXPECT), rank
         for name, kind, msg in got:
-            assert kind == "ValueError" and B.DIST_EXPECT[name] in msg, (rank, name, kind, msg)
+            assert kind == "ValueError" and BD.DIST_EXPECT[name] in msg, (rank, name, kind, msg)
 
 
 def test_docs_table_matches_the_cases() -> None:
