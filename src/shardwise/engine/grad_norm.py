@@ -9,7 +9,7 @@ from torch import nn
 
 from .checks import check_bool, check_module, check_number
 from .comm import collectives as C
-from .inspect import units_of
+from .inspect import sharded_params, units_of
 
 
 def clip_grad_norm_(
@@ -30,7 +30,8 @@ def clip_grad_norm_(
     norm_type = check_number("norm_type", norm_type, positive=True, finite=False)
     check_bool("error_if_nonfinite", error_if_nonfinite)
     units = units_of(model)
-    sharded_ids = {id(p.sharded) for u in units for p in u.params}
+    sps = sharded_params(model)
+    sharded_ids = {id(p.sharded) for p in sps}
     local_grads = [p.grad for p in model.parameters()
                    if id(p) not in sharded_ids and p.grad is not None]
     device = units[0].mesh.device if units else torch.device("cpu")
@@ -47,42 +48,32 @@ def clip_grad_norm_(
     def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.maximum(a, b) if norm_type == math.inf else a + b
 
-    # Each unit's shards are reduced over its own shard group: units may sit on different
-    # meshes (a replicated block beside a sharded root), and one group for all counted a
-    # replicated gradient once per rank or left a sharded one unreduced. Groups in model
-    # order, the same on every rank. Under TP, pieces that differ across TP ranks add up
-    # across tp as well ([Note: FSDP x TP]); those replicated across tp (norms, a tied
-    # embedding) are counted once.
-    by_group: dict[int, tuple[object, list, list, list]] = {}
-    seen: set[int] = set()  # a parameter listed by two units (a list-form unit) counts once
-    for u in units:
-        key = id(u.mesh.shard_group) if u.mesh.shard_size > 1 else 0
-        entry = by_group.setdefault(key, (u.mesh, [], [], []))
-        for p in u.params:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            g = p.shard_grad
-            if g is None:
-                continue
-            split = p.tp is not None and p.tp.tp_sharded
-            (entry[2] if split else entry[1]).append(g)
-            if split:
-                entry[3].append(p)
+    # Each parameter's shard is reduced over its own unit's shard group: units may sit on
+    # different meshes (a replicated block beside a sharded root), and one group for all
+    # counted a replicated gradient once per rank or left a sharded one unreduced. Groups in
+    # model order, made whether or not a gradient exists, the same on every rank. Under TP,
+    # pieces that differ across TP ranks add up across tp as well ([Note: FSDP x TP]);
+    # those replicated across tp (norms, a tied embedding) are counted once.
+    groups: dict[int, list] = {}  # -> [mesh, plain grads, tp-split grads, tp group]
+    for p in sps:
+        mesh = (p.owner or units[0]).mesh
+        entry = groups.setdefault(id(mesh.shard_group) if mesh.shard_size > 1 else 0,
+                                  [mesh, [], [], None])
+        split = p.tp is not None and p.tp.tp_sharded
+        if split:
+            entry[3] = p.tp.ctx.tp_mesh.get_group()  # type: ignore[union-attr]
+        if p.shard_grad is not None:
+            entry[2 if split else 1].append(p.shard_grad)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    grads_seen: list[torch.Tensor] = []
-    for mesh, plain, tp_grads, tp_params in by_group.values():
+    for mesh, plain, tp_grads, tp_group in groups.values():
         part = partial(plain)
-        if tp_params:
+        if tp_group is not None:
             tp_part = partial(tp_grads)
-            C.all_reduce(tp_part, tp_params[0].tp.ctx.tp_mesh.get_group(), op=op,
-                         label="clip_grad_norm_ tp")
+            C.all_reduce(tp_part, tp_group, op=op, label="clip_grad_norm_ tp")
             part = combine(part, tp_part)
-        if mesh.shard_size > 1:  # type: ignore[attr-defined]
-            C.all_reduce(part, mesh.shard_group, op=op,  # type: ignore[attr-defined]
-                         label="clip_grad_norm_")
+        if mesh.shard_size > 1:
+            C.all_reduce(part, mesh.shard_group, op=op, label="clip_grad_norm_")
         total = combine(total, part)
-        grads_seen += plain + tp_grads
     total = combine(total, partial(local_grads))
     if norm_type != math.inf:
         total = total.pow(1.0 / norm_type)
@@ -90,6 +81,6 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in grads_seen + local_grads:
+        for g in [g for e in groups.values() for g in e[1] + e[2]] + local_grads:
             g.mul_(coef.to(g.device, g.dtype))
     return total

@@ -23,12 +23,6 @@ an optimizer with step hooks of its own, or any other global step hook: torch ru
 pre-hooks first, so those would see the plain aliases (a norm over `param_groups` would be
 this rank's alone, a gradient assigned to the module's parameter would not be the one the
 step uses).
-
-[Note: stepped shards] A unit left gathered across a step (the root after a grad-enabled
-forward with no backward, a metric say) regathers at its next forward when a shard changed
-since its gather, which it reads from the shards' version counters (unit.py). torch's fused
-kernels (`fused=True`) write in place without bumping them, so after every optimizer step
-the post-hook bumps the counter of each of the engine's parameters the optimizer holds.
 """
 
 from __future__ import annotations
@@ -102,7 +96,7 @@ def _applies(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
 
 def _pre(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if opt in _active:  # the previous step raised before its post-hook: undo it first
-        _restore(opt)
+        _post(opt, args, kwargs)
     if not _applies(opt, args, kwargs):
         return
     swap = _Swap()
@@ -125,21 +119,7 @@ def _pre(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         _active[opt] = swap
 
 
-def _mark_stepped(opt: torch.optim.Optimizer) -> None:
-    """[Note: stepped shards]: what the step may have written, as written."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            sp = getattr(p, "_sw_param", None)
-            if sp is not None and not sp.direct:
-                torch.autograd.graph.increment_version(sp.padded_shard)
-
-
 def _post(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    _restore(opt)
-    _mark_stepped(opt)
-
-
-def _restore(opt: torch.optim.Optimizer) -> None:
     swap = _active.pop(opt, None)
     if swap is None:
         return
@@ -164,8 +144,7 @@ def _restore(opt: torch.optim.Optimizer) -> None:
 
 
 def ensure_registered() -> None:
-    """Install the global hooks once per process (the first sharded parameter that is not
-    direct: the fast path and [Note: stepped shards])."""
+    """Install the global hooks once per process (the first sharded DTensor parameter)."""
     global _registered
     if not _registered:
         register_optimizer_step_pre_hook(_pre)

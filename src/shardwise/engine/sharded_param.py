@@ -127,8 +127,8 @@ class ShardedParam:
         self.local = padded[: self.local_rows]
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
         face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
-        # [Note: optimizer fast path], [Note: stepped shards]: once per process.
-        optim_step.ensure_registered()
+        if self.spec is not None:
+            optim_step.ensure_registered()  # [Note: optimizer fast path]
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so

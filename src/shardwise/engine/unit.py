@@ -118,7 +118,6 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[_PendingGather] = []
-        self._gathered_versions: list[tuple[int, int]] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
         # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
         # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
@@ -315,24 +314,17 @@ class Unit:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.unsharded
         self.state = ShardedState.UNSHARDED
-        self._gathered_versions = self._shard_versions()
-
-    def _shard_versions(self) -> list[tuple[int, int]]:
-        # An in-place update of the DTensor parameter bumps the wrapper's counter only; one
-        # of the plain local rows (a view of padded_shard) bumps the shared one.
-        return [(p.sharded._version, p.padded_shard._version) for p in self.params
-                if not p.direct]
 
     def shards_changed_since_gather(self) -> bool:
-        """Unsharded, and some shard was written in place since it was gathered."""
+        """Unsharded, and some shard was written since it was gathered: this rank's rows of
+        a gathered parameter are no longer its shard, cast as the gather cast it.
+
+        Compared by value, not by version counters: torch's fused optimizers and writes
+        through `.data` bump none. Only units still gathered at a forward's start pay it (a
+        forward that no backward followed, reshard_after_backward=False).
+        """
         if self.state is not ShardedState.UNSHARDED:
             return False
-        if self._shard_versions() != self._gathered_versions:
-            return True
-        # A write through `.data` bumps no counter: this rank's rows of each gathered
-        # parameter must still be its shard (cast as the gather cast it). Only units still
-        # gathered at a forward's start pay this (a forward that no backward followed,
-        # reshard_after_backward=False).
         for p in self.params:
             if p.direct:
                 continue
