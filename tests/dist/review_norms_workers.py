@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
-from tests.dist.review_path_workers import Block
+from tests.dist.review_path_workers import Block, sharded_with_ref
 
 PER_RANK = 3
 
@@ -56,11 +56,7 @@ def mixed_meshes(rank: int, world: int, blocks_replicated: bool,
 def inf_norm_empty_shard(rank: int, world: int) -> tuple[float, float]:
     """norm_type=inf with a parameter whose shard is empty on some rank."""
     torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    for b in (model.b1, model.b2):
-        sw.fully_shard(b)
-    sw.fully_shard(model)
+    model, ref = sharded_with_ref(Net())
     _grads(rank, world, model, ref)
     got = sw.clip_grad_norm_(model, 1e-3, norm_type=math.inf).item()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=math.inf).item()

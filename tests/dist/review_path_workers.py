@@ -53,6 +53,16 @@ def _update(params: list[nn.Parameter], how: str, delta: float) -> None:
                 p.add_(delta)
 
 
+def sharded_with_ref(model: nn.Module, **kw: object) -> tuple[nn.Module, nn.Module]:
+    """An unsharded copy of `model` (built under seed 0), then `model` sharded: blocks
+    b1 and b2 as units (with `kw`), the root around them."""
+    ref = copy.deepcopy(model)
+    for b in (model.b1, model.b2):
+        sw.fully_shard(b, **kw)  # type: ignore[arg-type]
+    sw.fully_shard(model)
+    return model, ref
+
+
 def stale_after_update(rank: int, world: int, keep: str, how: str) -> list[float]:
     """Max |sharded - unsharded| of the model output, after each of 3 updates.
 
@@ -62,11 +72,7 @@ def stale_after_update(rank: int, world: int, keep: str, how: str) -> list[float
     then the update). how: "data" (p.data.add_) or "no_grad" (p.add_ under no_grad).
     """
     torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    for b in (model.b1, model.b2):
-        sw.fully_shard(b, reshard_after_forward=False)
-    sw.fully_shard(model)
+    model, ref = sharded_with_ref(Net(), reshard_after_forward=False)
     if keep == "no_reshard_after_backward":
         model.set_reshard_after_backward(False)
     sharded = list(model.parameters())  # the sharded parameters (what an optimizer holds)
@@ -99,11 +105,7 @@ def inference_mode_between_steps(rank: int, world: int) -> list[float]:
     raised ("Inplace update to inference tensor outside InferenceMode"). Returns max
     |sharded - unsharded| of the inference output and of the parameters after each step."""
     torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    for b in (model.b1, model.b2):
-        sw.fully_shard(b)
-    sw.fully_shard(model)
+    model, ref = sharded_with_ref(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(2)
