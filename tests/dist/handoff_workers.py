@@ -48,7 +48,11 @@ def _watch(seen: dict[str, Any]) -> None:
         if not mod_name.startswith("shardwise.") or mod is None:
             continue
         for attr, value in list(vars(mod).items()):
-            if callable(value) and value in wrapped:
+            try:
+                bound = callable(value) and value in wrapped
+            except TypeError:  # an unhashable callable (a ctypes function) is no collective
+                continue
+            if bound:
                 setattr(mod, attr, wrapped[value])
 
 

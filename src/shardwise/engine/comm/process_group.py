@@ -181,7 +181,8 @@ def finish() -> None:
     wait_for_gloo_drops(_DRAIN_LIMIT_S)
 
 
-_DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
+DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
+_DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 def _bounded_barrier(limit_s: float) -> None:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import one_copy
 from . import process_group as PG
 from .work import Issued, Work, all_gather_flat, done, handoff, issue, reduce_scatter_flat
 
@@ -209,7 +210,6 @@ class _Both:
 
 _GATHER_TAG, _REDUCE_TAG = 23001, 23002
 
-
 class PairTransport(AllToAllTransport):
     """gloo on CPU with two ranks: one send and one receive ([Note: pair transport])."""
 
@@ -221,8 +221,23 @@ class PairTransport(AllToAllTransport):
         me = PG.rank(group)
         self.me, self.peer = me, 1 - me
         self.peer_global = PG.global_rank_of(group, self.peer)
+        self.channel: one_copy.Channel | None = None
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> _Both:
+    def _channel(self, tensors: list[torch.Tensor]) -> one_copy.Channel | None:
+        """The one-copy channel to the peer ([Note: one-copy exchange]) when these tensors
+        can use it, else None: gloo it is."""
+        if not one_copy.usable(tensors):
+            return None
+        if self.channel is None:
+            self.channel = one_copy.channel_for(self.group, self.me, self.peer_global,
+                                                PG.timeout_s or PG.DEFAULT_TIMEOUT_S)
+        return self.channel
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor,
+                  tag: int) -> _Both | one_copy.Exchange:
+        channel = self._channel([send, recv])
+        if channel is not None:
+            return one_copy.Exchange(channel, [send], [recv], tag)
         s = dist.isend(handoff(send), self.peer_global, group=self.group, tag=tag)
         r = dist.irecv(handoff(recv), self.peer_global, group=self.group, tag=tag)
         return _Both(s, r)
@@ -257,7 +272,11 @@ class PairTransport(AllToAllTransport):
         moved = sum(t.numel() for t in sends) + sum(t.numel() for t in recvs)
         sent = torch.empty(moved, dtype=output.dtype, device="meta")
 
-        def call() -> _Both:
+        channel = self._channel(sends + recvs)
+
+        def call() -> _Both | one_copy.Exchange:
+            if channel is not None:
+                return one_copy.Exchange(channel, sends, recvs, tag)
             peer, group = self.peer_global, self.group
             return _Both(*[dist.isend(handoff(t), peer, group=group, tag=tag) for t in sends],
                          *[dist.irecv(handoff(t), peer, group=group, tag=tag) for t in recvs])
