@@ -36,7 +36,9 @@ import torch.distributed as dist
 from . import cma
 from .process_group import handoff
 
-DOOR, ACK = 1, 2
+DOOR, ACK, NUDGE = 1, 2, 3
+# How long a wait gives the peer to read our parts itself before asking its reader thread.
+_NUDGE_AFTER_S = 0.002
 _HEADER = struct.Struct("<4q")
 _MAGIC = 0x5A17C0DE
 _SETUP_TAG = 23010
@@ -49,11 +51,10 @@ class Channel:
         self.sock, self.peer_pid, self.timeout_s = sock, peer_pid, timeout_s
         self.lock = threading.Lock()
         self.doors: dict[tuple[int, int], list[int]] = {}  # arrived before our issue
-        self.unread: dict[tuple[int, int], Exchange] = {}  # issued, peer's not arrived
-        self.unacked: dict[tuple[int, int], Exchange] = {}  # ours not yet read by the peer
+        self.nudged: set[tuple[int, int]] = set()  # likewise
+        self.exchanges: dict[tuple[int, int], Exchange] = {}  # issued here, not finished
         self.seqs: dict[int, int] = {}
         self.error: Exception | None = None
-        self.closing = False
         self._send_lock = threading.Lock()
         sock.settimeout(None)  # the reader blocks; waits have their own timeout
         self.thread = threading.Thread(target=self._serve, name="shardwise-one-copy",
@@ -79,33 +80,43 @@ class Channel:
             while True:
                 kind, tag, seq, n = _HEADER.unpack(self._read(_HEADER.size))
                 regions = list(struct.unpack(f"<{2 * n}q", self._read(16 * n)))
-                key = (tag, seq)
-                with self.lock:
-                    if kind == ACK:
-                        ex = self.unacked.pop(key, None)
-                    else:
-                        ex = self.unread.pop(key, None)
-                        if ex is None:
-                            self.doors[key] = regions
-                if ex is None:
-                    continue
-                if kind == ACK:
-                    ex.was_acked = True
-                    ex.acked.set()
-                else:
-                    ex.consume(regions)
+                self._take(kind, (tag, seq), regions)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self._fail(e)
+
+    def _take(self, kind: int, key: tuple[int, int], regions: list[int]) -> None:
+        read_here = False
+        with self.lock:
+            ex = self.exchanges.get(key)
+            if ex is None:
+                if kind == DOOR:
+                    self.doors[key] = regions
+                elif kind == NUDGE:
+                    self.nudged.add(key)
+                return
+            if kind == DOOR:
+                ex.door = regions
+            elif kind == NUDGE:
+                read_here = ex.door is not None and not ex.claimed
+                ex.claimed = True
+            else:
+                ex.was_acked = True
+        if kind == DOOR:
+            ex.door_in.set()
+        elif kind == ACK:
+            ex.acked.set()
+        elif read_here:  # the peer waits on us while this rank is busy elsewhere
+            ex.consume()
 
     def _fail(self, cause: BaseException) -> None:
         err = _lost(None if isinstance(cause, EOFError) else cause)
         with self.lock:
             if self.error is None:
                 self.error = err
-            waiting = list(self.unread.values()) + list(self.unacked.values())
+            waiting = list(self.exchanges.values())
         for ex in waiting:
-            ex.read.set()
-            ex.acked.set()
+            for event in (ex.door_in, ex.read, ex.acked):
+                event.set()
 
     def _read(self, n: int) -> bytes:
         buf = bytearray()
@@ -119,7 +130,6 @@ class Channel:
     def close(self) -> None:
         """Stop the reader and close the socket (at exit, or when the group goes)."""
         _open.discard(self)
-        self.closing = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -147,25 +157,31 @@ class Exchange:
                  recvs: list[torch.Tensor], tag: int) -> None:
         self.channel, self.sends, self.recvs, self.tag = channel, sends, recvs, tag
         self.seq = seq = channel.next_seq(tag)
-        self.read, self.acked = threading.Event(), threading.Event()
-        self.was_read = self.was_acked = False  # set only by completion, not by a failure
+        self.key = key = (tag, seq)
+        self.door: list[int] | None = None  # the peer's regions, once its doorbell is in
+        self.claimed = False  # a thread has taken the read on
+        self.door_in, self.read, self.acked = (threading.Event(), threading.Event(),
+                                               threading.Event())
+        self.was_read = self.was_acked = False  # set by completion only, not by a failure
         self.error: Exception | None = None
         regions = [x for t in sends for x in (t.data_ptr(), t.numel() * t.element_size())]
-        key = (tag, seq)
         with channel.lock:
             if channel.error is not None:
                 raise channel.error
-            channel.unacked[key] = self
-            door = channel.doors.pop(key, None)
-            if door is None:
-                channel.unread[key] = self
+            channel.exchanges[key] = self
+            self.door = channel.doors.pop(key, None)
+            read_now = self.door is not None and key in channel.nudged
+            channel.nudged.discard(key)
+            self.claimed = read_now
         channel.send(DOOR, tag, seq, regions)
-        if door is not None:  # the peer issued first: read its parts now
-            self.consume(door)
+        if self.door is not None:
+            self.door_in.set()
+        if read_now:  # the peer already waits on this exchange
+            self.consume()
 
-    def consume(self, regions: list[int]) -> None:
+    def consume(self) -> None:
         """Read the peer's parts (its doorbell's regions) into ours and acknowledge them."""
-        ch = self.channel
+        ch, regions = self.channel, self.door or []
         try:
             if len(regions) != 2 * len(self.recvs):
                 raise RuntimeError(f"the peer sent {len(regions) // 2} parts where "
@@ -186,15 +202,30 @@ class Exchange:
 
     def wait(self) -> None:
         ch = self.channel
-        for event in (self.read, self.acked):
-            if not event.wait(ch.timeout_s):
-                raise dist.DistError(f"one-copy exchange {self.seq} (tag {self.tag}) timed "
-                                     f"out after {ch.timeout_s:g} s: the peer stalled")
-            if self.error is not None:
-                raise self.error
+        if not self.read.is_set():
+            self._until(self.door_in)
+            with ch.lock:
+                mine, self.claimed = not self.claimed, True
+            if mine and self.door is not None:
+                self.consume()  # here, on the waiting thread: [Note: one-copy order]
+            self._until(self.read)
+        if not self.acked.wait(_NUDGE_AFTER_S):
+            ch.send(NUDGE, self.tag, self.seq, [])
+            self._until(self.acked)
+        if self.error is not None:
+            raise self.error
         if not (self.was_read and self.was_acked):  # the channel failed under us
             raise ch.error or _lost(None)
+        with ch.lock:
+            ch.exchanges.pop(self.key, None)
         self.sends = []
+
+    def _until(self, event: threading.Event) -> None:
+        if not event.wait(self.channel.timeout_s):
+            raise dist.DistError(f"one-copy exchange {self.seq} (tag {self.tag}) timed out "
+                                 f"after {self.channel.timeout_s:g} s: the peer stalled")
+        if self.error is not None:
+            raise self.error
 
 
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
