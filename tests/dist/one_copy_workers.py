@@ -113,3 +113,20 @@ def dead_peer(rank: int, world: int) -> None:
         os._exit(0)
     recv = torch.zeros(4)
     t.exchange_parts([torch.ones(4)], [recv], "all_gather", "blocks.3", recv).wait()
+
+
+def late_issue(rank: int, world: int) -> list[float]:
+    """Rank 1 issues and waits before rank 0 has issued at all: its nudge arrives first, and
+    rank 0 reads at its issue; rank 0 then waits on another exchange before this one."""
+    t = _pair()
+    first, second = torch.zeros(3), torch.zeros(2)
+    if rank == 0:
+        time.sleep(0.3)
+    a = t.exchange_parts([torch.full((3,), 1.0 + rank)], [first], "all_gather", "a", first)
+    if rank == 1:
+        a.wait()
+    b = t.exchange_parts([torch.full((2,), 5.0 + rank)], [second], "all_gather", "b", second)
+    b.wait()
+    if rank == 0:
+        a.wait()
+    return first.tolist() + second.tolist()

@@ -61,3 +61,8 @@ def test_a_dead_peer_fails_the_wait_at_once() -> None:
     assert "CollectiveError" in text and "blocks.3" in text
     assert "one-copy doorbell channel to the peer rank lost" in text
     assert time.monotonic() - started < 45  # not the 60 s collective timeout
+
+
+def test_a_peer_that_waits_before_this_rank_issues_is_answered() -> None:
+    res = run_distributed(W.late_issue, 2)
+    assert res[0] == [2.0] * 3 + [6.0] * 2 and res[1] == [1.0] * 3 + [5.0] * 2
