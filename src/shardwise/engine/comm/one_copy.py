@@ -100,7 +100,7 @@ class Channel:
                 ex.door = regions
             elif kind == NUDGE:
                 read_here = ex.door is not None and not ex.claimed
-                ex.claimed = True
+                ex.claimed = ex.claimed or read_here
             else:
                 ex.was_acked = True
         if kind == DOOR:
