@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import os
+import socket
 import time
 
 import torch
@@ -116,8 +118,9 @@ def dead_peer(rank: int, world: int) -> None:
 
 
 def late_issue(rank: int, world: int) -> list[float]:
-    """Rank 1 issues and waits before rank 0 has issued at all: its nudge arrives first, and
-    rank 0 reads at its issue; rank 0 then waits on another exchange before this one."""
+    """Rank 1 issues and waits before rank 0 has issued at all (its wait blocks on rank 0's
+    doorbell); rank 0 then waits on a later exchange first, so rank 1's nudge is answered
+    by rank 0's reader thread."""
     t = _pair()
     first, second = torch.zeros(3), torch.zeros(2)
     if rank == 0:
@@ -130,3 +133,61 @@ def late_issue(rank: int, world: int) -> list[float]:
     if rank == 0:
         a.wait()
     return first.tolist() + second.tolist()
+
+
+def set_up_fails(rank: int, world: int, how: str) -> dict[str, object]:
+    """The channel's set-up fails on one side ("bind0": rank 0 cannot listen) or both
+    ("nounix": AF_UNIX refused, as under a seccomp filter): both ranks go over gloo, at once,
+    with the peer's values."""
+    if how == "bind0" and rank == 0:
+        def bind(self: socket.socket, addr: object) -> None:
+            raise OSError(98, "Address already in use")
+        socket.socket.bind = bind  # type: ignore[method-assign]
+    if how == "nounix":
+        real = socket.socket.__init__
+
+        def init(self: socket.socket, family: int = -1, *a: object, **k: object) -> None:
+            if family == socket.AF_UNIX:
+                raise PermissionError(1, "Operation not permitted")
+            real(self, family, *a, **k)  # type: ignore[arg-type]
+        socket.socket.__init__ = init  # type: ignore[method-assign]
+    t = _pair()
+    start = time.monotonic()
+    out = torch.zeros(4)
+    t.exchange_parts([torch.full((4,), 1.0 + rank)], [out], "all_gather", "x", out).wait()
+    return {"out": out.tolist(), "seconds": time.monotonic() - start,
+            "channel": t.channel is not None}
+
+
+def group_timeout(rank: int, world: int) -> str:
+    """A group made with its own 3 s timeout (as a script calling dist.new_group or
+    dist.init_process_group directly does): a stalled peer fails the wait at 3 s."""
+    g = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    assert one_copy.group_timeout_s(g, 300.0) == 3.0
+    t = PairTransport(g)
+    warm = torch.zeros(1)
+    t.exchange_parts([torch.ones(1)], [warm], "all_gather", "warm-up", warm).wait()
+    if rank == 1:
+        time.sleep(6)
+        return "slept"
+    recv = torch.zeros(2)
+    start = time.monotonic()
+    try:
+        t.exchange_parts([torch.ones(2)], [recv], "all_gather", "blocks.1", recv).wait()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{time.monotonic() - start:.1f} {type(e).__name__}: {e}"
+    return "no error"
+
+
+def dropped_unwaited(rank: int, world: int) -> int:
+    """Exchanges issued and dropped without a wait (an exception mid-forward, then training
+    goes on): the channel keeps a bounded number, not all of them with their tensors."""
+    t = _pair()
+    for i in range(one_copy._KEEP + 100):
+        out = torch.zeros(8)
+        t.exchange_parts([torch.ones(8)], [out], "all_gather", f"u{i}", out)
+    out = torch.zeros(3)
+    t.exchange_parts([torch.full((3,), 7.0 + rank)], [out], "reduce_scatter", "z", out).wait()
+    assert out.tolist() == [8.0 - rank] * 3
+    assert t.channel is not None
+    return len(t.channel.exchanges)

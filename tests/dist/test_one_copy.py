@@ -66,3 +66,26 @@ def test_a_dead_peer_fails_the_wait_at_once() -> None:
 def test_a_peer_that_waits_before_this_rank_issues_is_answered() -> None:
     res = run_distributed(W.late_issue, 2)
     assert res[0] == [2.0] * 3 + [6.0] * 2 and res[1] == [1.0] * 3 + [5.0] * 2
+
+
+@pytest.mark.parametrize("how", ["bind0", "nounix"])
+def test_a_failed_set_up_on_either_side_falls_back_on_both_at_once(how: str) -> None:
+    res = run_distributed(W.set_up_fails, 2, how, collective_timeout_s=30)
+    for rank, r in enumerate(res):
+        assert r["out"] == [2.0 - rank] * 4 and not r["channel"]
+        assert r["seconds"] < 10, r  # not a stall until the 30 s timeout
+
+
+def test_a_stalled_peer_fails_at_the_groups_own_timeout() -> None:
+    res = run_distributed(W.group_timeout, 2, collective_timeout_s=60)
+    assert res[1] == "slept"
+    seconds, _, msg = res[0].partition(" ")
+    assert 2.5 < float(seconds) < 5.5, res[0]
+    assert "CollectiveError" in msg and "blocks.1" in msg and "timed out after 3 s" in msg
+
+
+def test_dropped_exchanges_are_not_kept_forever() -> None:
+    from shardwise.engine.comm import one_copy
+
+    for held in run_distributed(W.dropped_unwaited, 2):
+        assert held <= one_copy._KEEP

@@ -245,8 +245,9 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         if mesh.replicate_size > 1:
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
-            # Synchronous: the whole call is exposed.
-            unit._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds)
+            # Synchronous: the whole call is exposed (and ends where the call did, not
+            # wherever this thread got the GIL back after a one-copy reader thread).
+            unit._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds, call.end)
     elif mesh.replicate_size > 1:
         unit._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
     n_grad = pr.bucket.grad_numel

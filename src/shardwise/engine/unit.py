@@ -181,14 +181,14 @@ class Unit:
         return self.name or "<root>"
 
     def _emit(self, phase: str, collective: str, nbytes: int, start: float,
-              wait: float = 0.0) -> None:
+              wait: float = 0.0, end: float | None = None) -> None:
         ctx = self.ctx
         if ctx is not None and ctx.sinks:
             # The group the buffer was split over ([Note: communication bytes]).
             group = (self.mesh.replicate_size if collective == "all_reduce"
                      else self.mesh.shard_size) if collective else 0
-            ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start, now(),
-                       ctx.step, wait, group)
+            ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start,
+                       now() if end is None else end, ctx.step, wait, group)
             for sink in ctx.sinks:
                 sink(ev)
 

@@ -53,7 +53,6 @@ class Channel:
         self.sock, self.peer_pid, self.timeout_s = sock, peer_pid, timeout_s
         self.lock = threading.Lock()
         self.doors: dict[tuple[int, int], list[int]] = {}  # arrived before our issue
-        self.nudged: set[tuple[int, int]] = set()  # likewise
         self.exchanges: dict[tuple[int, int], Exchange] = {}  # issued here, not finished
         self.seqs: dict[int, int] = {}
         self.error: Exception | None = None
@@ -91,10 +90,12 @@ class Channel:
         with self.lock:
             ex = self.exchanges.get(key)
             if ex is None:
+                # A nudge or acknowledgement for an exchange already finished (or dropped):
+                # nothing to do. A nudge can never precede our issue: the peer's wait
+                # needs our doorbell first.
                 if kind == DOOR:
                     self.doors[key] = regions
-                elif kind == NUDGE:
-                    self.nudged.add(key)
+                    _bound(self.doors)
                 return
             if kind == DOOR:
                 ex.door = regions
@@ -171,15 +172,11 @@ class Exchange:
             if channel.error is not None:
                 raise channel.error
             channel.exchanges[key] = self
+            _bound(channel.exchanges)
             self.door = channel.doors.pop(key, None)
-            read_now = self.door is not None and key in channel.nudged
-            channel.nudged.discard(key)
-            self.claimed = read_now
         channel.send(DOOR, tag, seq, regions)
         if self.door is not None:
             self.door_in.set()
-        if read_now:  # the peer already waits on this exchange
-            self.consume()
 
     def consume(self) -> None:
         """Read the peer's parts (its doorbell's regions) into ours and acknowledge them."""
@@ -203,6 +200,14 @@ class Exchange:
         self.read.set()
 
     def wait(self) -> None:
+        try:
+            self._wait()
+        finally:  # done, or failed: either way no longer the channel's to answer
+            with self.channel.lock:
+                self.channel.exchanges.pop(self.key, None)
+            self.sends = []
+
+    def _wait(self) -> None:
         ch = self.channel
         if not self.read.is_set():
             self._until(self.door_in)
@@ -218,9 +223,6 @@ class Exchange:
             raise self.error
         if not (self.was_read and self.was_acked):  # the channel failed under us
             raise ch.error or _lost(None)
-        with ch.lock:
-            ch.exchanges.pop(self.key, None)
-        self.sends = []
 
     def _until(self, event: threading.Event) -> None:
         if not event.wait(self.channel.timeout_s):
@@ -228,6 +230,18 @@ class Exchange:
                                  f"after {self.channel.timeout_s:g} s: the peer stalled")
         if self.error is not None:
             raise self.error
+
+
+# Exchanges a caller dropped without waiting (an exception mid-forward, then training goes
+# on) would hold their tensors in the channel forever: the oldest go past this many. The
+# engine has a few in flight at a time; a peer that still waits on a dropped one gets no
+# acknowledgement and fails at its timeout.
+_KEEP = 256
+
+
+def _bound(d: dict) -> None:
+    while len(d) > _KEEP:
+        del d[next(iter(d))]
 
 
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -291,7 +305,10 @@ def _agree(ok: bool, group: dist.ProcessGroup | None, peer: int) -> bool:
 
 def _socket(group: dist.ProcessGroup | None, me: int, peer: int,
             timeout_s: float) -> socket.socket | None:
-    """Rank 0 of the pair listens on a fresh abstract name, rank 1 connects to it."""
+    """Rank 0 of the pair listens on a fresh abstract name, rank 1 connects to it. Both
+    ranks make the same two gloo exchanges whatever fails (the name, then whether both
+    succeeded), so a failure on one side never leaves the other waiting in a third."""
+    srv = sock = None
     if me == 0:
         name = b"\0shardwise-" + uuid.uuid4().hex.encode()
         try:
@@ -299,33 +316,50 @@ def _socket(group: dist.ProcessGroup | None, me: int, peer: int,
             srv.bind(name)
             srv.listen(1)
         except OSError:
-            _exchange_bytes(b"".ljust(64, b"\0"), group, peer)
-            return None
+            if srv is not None:
+                srv.close()
+            srv, name = None, b""
         _exchange_bytes(name.ljust(64, b"\0"), group, peer)
-        if not _agree(True, group, peer):  # the peer could not connect
-            srv.close()
+        if not _agree(srv is not None, group, peer):
+            if srv is not None:
+                srv.close()
             return None
+        assert srv is not None
         srv.settimeout(timeout_s)
         try:
             sock, _ = srv.accept()
         except OSError:
-            return None
+            return None  # connect() then agrees on the failure with the peer
         finally:
             srv.close()
     else:
         name = _exchange_bytes(b"".ljust(64, b"\0"), group, peer).rstrip(b"\0")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if not name:
                 raise OSError("the peer could not listen")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(name)
         except OSError:
-            sock.close()
-            _agree(False, group, peer)
+            if sock is not None:
+                sock.close()
+            sock = None
+        if not _agree(sock is not None, group, peer):
+            if sock is not None:
+                sock.close()
             return None
-        _agree(True, group, peer)
+    assert sock is not None
     sock.settimeout(timeout_s)
     return sock
+
+
+def group_timeout_s(group: dist.ProcessGroup | None, fallback: float) -> float:
+    """The group's own collective timeout (set by whoever made it: sw.init_distributed, a
+    direct dist.init_process_group, new_group), so a one-copy wait gives up when gloo would."""
+    g = group if group is not None else dist.group.WORLD
+    try:
+        return float(g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private API: the layer's timeout instead
+        return fallback
 
 
 def _peer_pid(sock: socket.socket) -> int:

@@ -229,8 +229,10 @@ class PairTransport(AllToAllTransport):
         if not one_copy.usable(tensors):
             return None
         if self.channel is None:
+            timeout = one_copy.group_timeout_s(self.group,
+                                               PG.timeout_s or PG.DEFAULT_TIMEOUT_S)
             self.channel = one_copy.channel_for(self.group, self.me, self.peer_global,
-                                                PG.timeout_s or PG.DEFAULT_TIMEOUT_S)
+                                                timeout)
         return self.channel
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor,
@@ -272,9 +274,10 @@ class PairTransport(AllToAllTransport):
         moved = sum(t.numel() for t in sends) + sum(t.numel() for t in recvs)
         sent = torch.empty(moved, dtype=output.dtype, device="meta")
 
-        channel = self._channel(sends + recvs)
-
         def call() -> _Both | one_copy.Exchange:
+            # Set up inside the issue, after the debug check: a divergence at a group's
+            # first exchange is then named, not a stall in the set-up's gloo messages.
+            channel = self._channel(sends + recvs)
             if channel is not None:
                 return one_copy.Exchange(channel, sends, recvs, tag)
             peer, group = self.peer_global, self.group
