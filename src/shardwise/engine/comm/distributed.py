@@ -14,8 +14,7 @@ from torch import nn
 from ..checks import check_module, check_number
 from ..inspect import units_of
 from . import collectives as C
-
-DEFAULT_TIMEOUT_S = 300.0
+from .process_group import DEFAULT_TIMEOUT_S
 
 
 def free_port() -> int:

@@ -61,7 +61,6 @@ class Channel:
         self.thread = threading.Thread(target=self._serve, name="shardwise-one-copy",
                                        daemon=True)
         self.thread.start()
-        _open.add(self)
 
     def next_seq(self, tag: int) -> int:
         self.seqs[tag] = seq = self.seqs.get(tag, 0) + 1
@@ -79,8 +78,8 @@ class Channel:
     def _serve(self) -> None:
         try:
             while True:
-                kind, tag, seq, n = _HEADER.unpack(self._read(_HEADER.size))
-                regions = list(struct.unpack(f"<{2 * n}q", self._read(16 * n)))
+                kind, tag, seq, n = _HEADER.unpack(_recv_exactly(self.sock, _HEADER.size))
+                regions = list(struct.unpack(f"<{2 * n}q", _recv_exactly(self.sock, 16 * n)))
                 self._take(kind, (tag, seq), regions)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self._fail(e)
@@ -121,18 +120,8 @@ class Channel:
             for event in (ex.door_in, ex.read, ex.acked):
                 event.set()
 
-    def _read(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return bytes(buf)
-
     def close(self) -> None:
         """Stop the reader and close the socket (at exit, or when the group goes)."""
-        _open.discard(self)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -316,13 +305,11 @@ def _socket(group: dist.ProcessGroup | None, me: int, peer: int,
             srv.bind(name)
             srv.listen(1)
         except OSError:
-            if srv is not None:
-                srv.close()
+            _close(srv)
             srv, name = None, b""
         _exchange_bytes(name.ljust(64, b"\0"), group, peer)
         if not _agree(srv is not None, group, peer):
-            if srv is not None:
-                srv.close()
+            _close(srv)
             return None
         assert srv is not None
         srv.settimeout(timeout_s)
@@ -340,16 +327,19 @@ def _socket(group: dist.ProcessGroup | None, me: int, peer: int,
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(name)
         except OSError:
-            if sock is not None:
-                sock.close()
+            _close(sock)
             sock = None
         if not _agree(sock is not None, group, peer):
-            if sock is not None:
-                sock.close()
+            _close(sock)
             return None
     assert sock is not None
     sock.settimeout(timeout_s)
     return sock
+
+
+def _close(s: socket.socket | None) -> None:
+    if s is not None:
+        s.close()
 
 
 def group_timeout_s(group: dist.ProcessGroup | None, fallback: float) -> float:
@@ -383,35 +373,34 @@ def _probe(sock: socket.socket, pid: int) -> bool:
             pass
         sock.sendall(b"d")
         _recv_exactly(sock, 1)  # the peer has read ours: `value` may go
-    except OSError:
+    except (OSError, EOFError):
         return False
     return ok
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes from the socket; EOFError when the peer closed it first."""
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise OSError("the peer closed the channel")
+            raise EOFError
         buf += chunk
     return bytes(buf)
 
 
-_open: weakref.WeakSet = weakref.WeakSet()
-
-
 def _close_all() -> None:
-    for ch in list(_open):
-        ch.close()
+    for ch in list(_channels.values()):
+        if ch is not None:
+            ch.close()
 
 
 def _forget_in_child() -> None:
     # A forked child has the sockets but not the reader threads: it must not use them.
-    for ch in list(_open):
-        ch.error = dist.DistError("a one-copy channel cannot be used in a forked child")
-        ch.sock.close()
-    _open.clear()
+    for ch in list(_channels.values()):
+        if ch is not None:
+            ch.error = dist.DistError("a one-copy channel cannot be used in a forked child")
+            ch.sock.close()
     _channels.clear()
 
 

@@ -175,14 +175,13 @@ def finish() -> None:
     """
     if is_initialized():
         try:
-            _bounded_barrier(timeout_s or _DEFAULT_TIMEOUT_S)
+            _bounded_barrier(timeout_s or DEFAULT_TIMEOUT_S)
         finally:
             dist.destroy_process_group()
     wait_for_gloo_drops(_DRAIN_LIMIT_S)
 
 
 DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
-_DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 def _bounded_barrier(limit_s: float) -> None:
