@@ -7,7 +7,10 @@ the benchmark's shardwise FULL_SHARD system (shardwise.bench.systems) with an ev
 the model (engine/events.py: each collective's `wait` is the time the calling thread was
 blocked in it); prints each rank's median step and its exposed waits per step, by
 collective. At two ranks a reduction's local sum runs inside its wait
-([Note: parameter messages]), so the reduce-scatter figure includes that sum.
+([Note: parameter messages]), so the reduce-scatter figure includes that sum. "release" is
+the time the training thread then waited, before freeing or reusing what it had sent, for
+the peer to have read it ([Note: one-copy release] in engine/comm/one_copy.py): counted by
+timing the engine's `Work.wait_sent`, as no event carries it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def _worker(rank: int, world: int, preset: str, steps: int,
             batch: int) -> list[tuple[float, dict[str, float]]]:
     from shardwise.bench.runner import make_config
     from shardwise.bench.systems import SYSTEMS
+    from shardwise.engine.comm.work import Work
     from shardwise.engine.events import Event
     from shardwise.engine.inspect import context_of
     from shardwise.train.model import GPT
@@ -37,12 +41,22 @@ def _worker(rank: int, world: int, preset: str, steps: int,
     assert ctx is not None
     events: list[Event] = []
     ctx.sinks.append(events.append)
+    released = [0.0]
+    wait_sent = getattr(Work, "wait_sent", None)
+    if wait_sent is not None:  # builds before the one-copy release have none
+        def timed(self: Work) -> None:
+            t = time.perf_counter()
+            wait_sent(self)
+            released[0] += time.perf_counter() - t
+
+        Work.wait_sent = timed  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, cfg.vocab_size, (batch, 128), generator=g)
     y = torch.randint(0, cfg.vocab_size, (batch, 128), generator=g)
     out = []
     for _ in range(steps):
         events.clear()
+        released[0] = 0.0
         t0 = time.perf_counter()
         model(x, y).backward()
         opt.step()
@@ -52,6 +66,8 @@ def _worker(rank: int, world: int, preset: str, steps: int,
         for e in events:
             if e.collective:
                 waits[e.collective] = waits.get(e.collective, 0.0) + e.wait
+        if wait_sent is not None:
+            waits["release"] = released[0]
         out.append((seconds, waits))
     return out[1:]
 

@@ -11,7 +11,7 @@ import time
 import torch
 
 import shardwise as sw
-from shardwise.engine.comm import cma, one_copy
+from shardwise.engine.comm import cma, one_copy, one_copy_setup
 from shardwise.engine.comm.transport import PairTransport
 from tests.dist.parity import grad_diffs, param_diffs
 from tests.models import loss_fn, make_batch, make_model
@@ -59,7 +59,7 @@ def train(rank: int, world: int, strategy: str, refuse_on: int = -1) -> dict[str
         ref_opt.zero_grad()
         diffs.update(param_diffs(model, ref, f"step {step}"))
     full = {k: v.tolist() for k, v in sw.full_state_dict(model).items()}
-    channel = one_copy._channels.get(torch.distributed.group.WORLD)
+    channel = one_copy_setup._channels.get(torch.distributed.group.WORLD)
     return {"diffs": diffs, "full": full, "channel": channel is not None,
             "exchanges": waited[0]}
 
@@ -163,7 +163,7 @@ def group_timeout(rank: int, world: int) -> str:
     """A group made with its own 3 s timeout (as a script calling dist.new_group or
     dist.init_process_group directly does): a stalled peer fails the wait at 3 s."""
     g = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
-    assert one_copy.group_timeout_s(g, 300.0) == 3.0
+    assert one_copy_setup.group_timeout_s(g, 300.0) == 3.0
     t = PairTransport(g)
     warm = torch.zeros(1)
     t.exchange_parts([torch.ones(1)], [warm], "all_gather", "warm-up", warm).wait()

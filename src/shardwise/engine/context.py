@@ -170,6 +170,8 @@ class ModelContext:
                 pr.unit.pool.release(pr.send)
             if getattr(pr, "pack", None) is not None:
                 pr.unit.pool.release(pr.pack)
+        while sched.releasing:
+            sched.releasing.popleft().release()
         for u in self.units:
             u.reshard()
             for p in u.params:

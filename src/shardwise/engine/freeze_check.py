@@ -62,6 +62,7 @@ class FreezeCheck:
         # Set at the first forward (`prepare`): False when nothing could mismatch.
         self.enabled = False
         self._units: Sequence[Unit] = ()
+        C.let_go_at_exit(self)
         # The check in flight, and the flags (one byte per parameter) it fingerprinted.
         self._in_flight: tuple[C.Agreement, bytes] | None = None
 
@@ -87,6 +88,10 @@ class FreezeCheck:
         if not agreement.wait():
             # Every rank read the same result: all of them are here, on the error path.
             raise RuntimeError(self._describe(flags))
+
+    def let_go(self) -> None:
+        """At exit: drop the check in flight unwaited (nothing will settle it now)."""
+        self._in_flight = None
 
     def drain(self) -> None:
         """Wait for the check in flight and drop it (after a failed step)."""

@@ -51,12 +51,24 @@ class PendingReduce:
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
+    released: bool = False
 
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
         if not self.finished:
             self.finished = True
             finish_reduce(self.unit, self)
+
+    def release(self) -> None:
+        """After `finish`: once the peer has read what this rank sent (in parts: gradient
+        rows, the small pack), let go of it ([Note: one-copy release]). Idempotent."""
+        if self.released or not self.finished:
+            return
+        self.released = True
+        if self.parts:
+            self.work.wait_sent()
+            if self.pack is not None:
+                self.unit.pool.release(self.pack)
 
 
 def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
@@ -230,7 +242,9 @@ def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
 def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     """Wait for a reduction and write the result into the sharded gradients."""
     with Span() as wait:
-        out = pr.work.wait()
+        # In parts, the sends (gradient rows, the small pack) stay the peer's to read until
+        # `release` ([Note: one-copy release]).
+        out = pr.work.wait_received() if pr.parts else pr.work.wait()
     waited = wait.seconds
     mesh = unit.mesh
     nbytes = pr.out.numel() * pr.out.element_size()
@@ -239,9 +253,7 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
             unit.copied["reduce_sum"] += nbytes  # the transport's local sum
         unit._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
-        unit.pool.release(pr.send)
-        if pr.pack is not None:
-            unit.pool.release(pr.pack)
+        unit.pool.release(pr.send)  # in parts, the receive buffer: this rank's alone
         if mesh.replicate_size > 1:
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)

@@ -14,7 +14,15 @@ that was not prefetched gathers synchronously, and one prefetched in vain is res
 the end of forward. The new order is used from the next step on.
 
 [Note: reduce limit] Each pending reduction holds a unit-sized send buffer until it is
-waited for; at most `Limits.reduces` are pending, the oldest is finished first.
+waited for; at most `Limits.reduces` are pending, the oldest is finished first. A finished
+reduction's result is in the sharded gradients, but what it sent may still be read by the
+peer ([Note: one-copy release] in comm/one_copy.py): it is released (its gradients and
+buffers let go) when the next reduction finishes, and at the end of backward at the latest.
+
+[Note: backward prefetch of the first block] The root's pre-backward comes first in
+backward, and the unit whose backward follows it is the last one forward ran. Nothing
+prefetched that one, so its all-gather ran alone, exposed, while the root's own backward
+(the head and the loss) could have covered it: the root's pre-backward prefetches it.
 
 [Note: lockstep] Every rank must issue the same collectives in the same order, but what a
 rank's data does decides which units run (a mixture-of-experts rank that routes no token to
@@ -99,6 +107,9 @@ class PendingReduce(Protocol):
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
 
+    def release(self) -> None:
+        """After `finish`: let go of what was sent once the peer has it (idempotent)."""
+
 
 class ScheduledUnit(Protocol):
     """What the schedule needs of a unit; engine/unit.py and planner/simulate.py implement it."""
@@ -134,6 +145,11 @@ class Schedule(Generic[U]):
         self.order_now: list[U] = []
         self._index: dict[int, int] = {}
         self.pending: deque[PendingReduce] = deque()
+        # Finished, not yet released ([Note: reduce limit]): at most one.
+        self.releasing: deque[PendingReduce] = deque()
+        # Whether this backward has reached any unit yet ([Note: backward prefetch of the
+        # first block]).
+        self.backward_started = False
         # Statistics the tests and the planner read: prefetches issued, most in flight.
         self.prefetches = 0
         self.most_gathers = 0
@@ -238,6 +254,7 @@ class Schedule(Generic[U]):
             self._close(g)
         self.reached = len(self.points)
         self.reduced = set()
+        self.backward_started = False
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:
             self.order = list(self.order_now)
             self._index = {id(u): i for i, u in enumerate(self.order)}
@@ -260,11 +277,18 @@ class Schedule(Generic[U]):
         unit.training_state = TrainingState.PRE_BACKWARD
         if _unshards_in_backward(unit):
             self._wait(unit)
+        first, self.backward_started = not self.backward_started, True
         if not self.prefetch or not self.order:
             return
         i = self._index.get(id(unit))
-        if i is not None and i > 0 and _unshards_in_backward(self.order[i - 1]):
-            self._prefetch(self.order[i - 1])
+        if i is not None and i > 0:
+            nxt = self.order[i - 1]  # backward runs the forward order in reverse
+        elif i == 0 and first and unit.is_root and len(self.order) > 1:
+            nxt = self.order[-1]  # [Note: backward prefetch of the first block]
+        else:
+            return
+        if _unshards_in_backward(nxt):
+            self._prefetch(nxt)
 
     def post_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
         """`unit`'s backward is over: hand its gradients on, then reshard."""
@@ -299,12 +323,15 @@ class Schedule(Generic[U]):
                 self._post_backward(u)
         while self.pending:
             self._finish_oldest()
+        while self.releasing:
+            self.releasing.popleft().release()
         for u in self.units:
             if u.reshard_after_backward:
                 self._reshard(u)
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
         self.reduced = set()  # a second backward of the same graph starts afresh
+        self.backward_started = False
 
     def _reach(self, token: tuple[int, int] | None, kind: str, unit: U) -> None:
         """Backward reached a recorded point: first run the later points it skipped."""
@@ -355,6 +382,9 @@ class Schedule(Generic[U]):
     def _finish_oldest(self) -> None:
         pr = self.pending.popleft()
         pr.finish()
+        while self.releasing:
+            self.releasing.popleft().release()
+        self.releasing.append(pr)
         if self.log is not None:
             self.log.append(("finish", pr.unit))
 

@@ -118,6 +118,10 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[_PendingGather] = []
+        # Gathers in parts whose receives are done while the peer may still read what this
+        # rank sent (its rows of the unsharded parameters, the small pack): released before
+        # the reshard frees them ([Note: one-copy release] in comm/one_copy.py).
+        self._sending: list[tuple[Work, torch.Tensor | None]] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
         # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
         # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
@@ -269,7 +273,6 @@ class Unit:
         theirs = pack.view(2, g.small_numel)[peer]
         torch.split_with_sizes_copy(theirs, [p.chunk_numel for p in g.small],
                                     out=[p.unsharded_rows_view()[peer] for p in g.small])
-        self.pool.release(pack)
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
@@ -281,12 +284,16 @@ class Unit:
         with torch.no_grad():
             for pg in self._gathers:
                 with Span() as wait:
-                    pg.work.wait()
+                    if pg.parts:
+                        pg.work.wait_received()  # the sends: until the reshard
+                    else:
+                        pg.work.wait()
                 if pg.send is not None:
                     self.pool.release(pg.send)
                 if pg.parts:  # the chunks arrived in the parameters (and the small pack)
                     if pg.out is not None:
                         self._unpack_small(pg.bucket, pg.out)
+                    self._sending.append((pg.work, pg.out))
                     self._emit("all_gather", "all_gather",
                                S * pg.bucket.numel * pg.bucket.dtype.itemsize, pg.start,
                                wait.seconds + pg.blocked)
@@ -315,6 +322,14 @@ class Unit:
                 ref.module._parameters[ref.name] = p.unsharded
         self.state = ShardedState.UNSHARDED
 
+    def release_sends(self) -> None:
+        """Wait until the peer has read what this unit's gathers sent, then let it go."""
+        while self._sending:
+            work, pack = self._sending.pop(0)
+            work.wait_sent()
+            if pack is not None:
+                self.pool.release(pack)
+
     def shards_changed_since_gather(self) -> bool:
         """Unsharded, and some shard was written since it was gathered: this rank's rows of
         a gathered parameter are no longer its shard, cast as the gather cast it.
@@ -342,6 +357,7 @@ class Unit:
             # Collectives must complete on every rank before their buffers go back.
             self.wait_unshard()
         start = now()
+        self.release_sends()
         for p in self.params:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.sharded

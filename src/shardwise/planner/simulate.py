@@ -164,6 +164,7 @@ class _SimUnit(ReplayUnit):
 class _SimReduce:
     def __init__(self, unit: _SimUnit, parts: list, held: bool = False) -> None:
         self.unit, self.parts, self.held = unit, parts, held
+        self.released = False
 
     def finish(self) -> None:
         sim = self.unit.sim
@@ -175,9 +176,15 @@ class _SimReduce:
             # cast back to the master dtype.
             sim.t.add(kept - out, "grads")
             sim.grads_alive += kept
-        if self.unit.cost.direct or self.held:
-            # Replaced by the result, or sent from in parts until now.
+        if self.unit.cost.direct:
+            # Replaced by the result.
             sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
+
+    def release(self) -> None:
+        if self.held and not self.released:
+            # Sent from in parts until the peer has read them, as engine/reduce.py releases.
+            self.released = True
+            self.unit.sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
 
 
 class _Sim:

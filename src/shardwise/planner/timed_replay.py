@@ -33,6 +33,9 @@ class _Reduce:
         if r.sync_all_reduce:  # HYBRID: the replica all-reduce runs on the training thread
             r.comp = r.issue("all_reduce", self.unit.i, r.comp)
 
+    def release(self) -> None:
+        """The peer read what was sent: by the next finish it has (no time of its own)."""
+
 
 class _TimedUnit(ReplayUnit):
     """A unit that keeps time: its all-gather is done at `ready`."""

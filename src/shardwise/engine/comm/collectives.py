@@ -26,6 +26,7 @@ from .process_group import (
     group_ranks,
     init_process_group,
     is_initialized,
+    let_go_at_exit,
     rank,
     world_group,
     world_size,
@@ -36,7 +37,8 @@ from .work import Work, done, handoff, issue
 __all__ = [
     "Work", "all_gather_bytes", "all_gather_dim", "all_gather_floats", "backend", "broadcast_json",
     "destroy_process_group", "finish", "gather_bytes", "global_rank_of", "group_ranks",
-    "init_process_group", "is_initialized", "rank", "use_all_to_all", "world_group",
+    "init_process_group", "is_initialized", "let_go_at_exit", "rank", "use_all_to_all",
+    "world_group",
     "world_size", "Agreement", "same_on_all_async",
 ]
 

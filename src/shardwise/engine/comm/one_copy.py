@@ -1,4 +1,5 @@
-"""Two ranks on one host exchanging parts in one copy: a doorbell channel and the probe.
+"""Two ranks on one host exchanging parts in one copy: the doorbell channel and its exchanges
+(set up by one_copy_setup.py).
 
 See [Note: one-copy exchange] in cma.py for why. The doorbells do not go over gloo: a small
 gloo message costs about 145 us and 75 us of CPU per rank on the development machine (its
@@ -20,23 +21,33 @@ when ranks diverge), and gloo would still complete. So a wait that has not been
 acknowledged within 2 ms sends a nudge, and the peer's reader thread, which takes every
 message as it arrives, does the read for it. A dead peer closes the socket: every wait in
 flight fails at once, by name; a stalled one fails at the timeout.
+
+[Note: one-copy release] Waiting for the peer's acknowledgement made every exchange a
+barrier: a rank could not go on until its peer had reached the same wait, so each rank's
+jitter added up over the step's exchanges. The two sides are separate instead. A caller
+that needs only its receives (a gather about to compute, a reduction about to sum) waits
+for them alone (`wait_received`) and keeps the exchange; what it sent stays alive and
+unwritten until it waits for the release (`wait`) right before it frees or reuses those
+buffers: a unit's reshard (the gathered rows it sent), the pool taking back a send buffer.
+By then the peer has almost always read them. The exchange stays in the channel until
+released, so the acknowledgement and a peer's nudge still find it. No one waits on an
+acknowledgement at once any more, so it rides on the next message this rank sends (usually
+the next prefetch's doorbell): one socket write and one reader wake-up per exchange and rank
+instead of two. It goes on its own when this rank is about to block (the peer may be waiting
+on it too) and when the peer nudged for it.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
 import socket
 import struct
 import threading
-import uuid
-import weakref
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import cma
-from .process_group import handoff
 
 DOOR, ACK, NUDGE = 1, 2, 3
 # How long a wait gives the peer to read our parts itself before asking its reader thread.
@@ -57,6 +68,8 @@ class Channel:
         self.seqs: dict[int, int] = {}
         self.error: Exception | None = None
         self._send_lock = threading.Lock()
+        # Acknowledgements not sent yet ([Note: one-copy release]), under `lock`.
+        self._acks: list[bytes] = []
         sock.settimeout(None)  # the reader blocks; waits have their own timeout
         self.thread = threading.Thread(target=self._serve, name="shardwise-one-copy",
                                        daemon=True)
@@ -67,11 +80,34 @@ class Channel:
         return seq
 
     def send(self, kind: int, tag: int, seq: int, regions: list[int]) -> None:
+        """Send one message, after the acknowledgements that wait for a ride."""
         n = len(regions) // 2
         msg = _HEADER.pack(kind, tag, seq, n) + struct.pack(f"<{2 * n}q", *regions)
+        with self.lock:
+            batch, self._acks = self._acks, []
+        self._write(b"".join(batch) + msg if batch else msg)
+
+    def flush(self) -> None:
+        """Send the acknowledgements that wait for a ride, now."""
+        with self.lock:
+            if not self._acks:
+                return
+            batch, self._acks = self._acks, []
+        self._write(b"".join(batch))
+
+    def acknowledge(self, ex: Exchange, now: bool) -> None:
+        """Tell the peer we read its parts of `ex`: with our next message, or `now` (also when
+        the peer already asked: it waits on it)."""
+        with self.lock:
+            if not (now or ex.nudged):
+                self._acks.append(_HEADER.pack(ACK, ex.tag, ex.seq, 0))
+                return
+        self.send(ACK, ex.tag, ex.seq, [])
+
+    def _write(self, data: bytes) -> None:
         try:
             with self._send_lock:
-                self.sock.sendall(msg)
+                self.sock.sendall(data)
         except OSError as e:
             raise _lost(e) from e
 
@@ -85,30 +121,38 @@ class Channel:
             self._fail(e)
 
     def _take(self, kind: int, key: tuple[int, int], regions: list[int]) -> None:
-        read_here = False
+        read_here = flush = False
         with self.lock:
             ex = self.exchanges.get(key)
             if ex is None:
-                # A nudge or acknowledgement for an exchange already finished (or dropped):
-                # nothing to do. A nudge can never precede our issue: the peer's wait
-                # needs our doorbell first.
+                # A nudge or acknowledgement for an exchange already finished here (or
+                # dropped). A nudge can never precede our issue: the peer's wait needs our
+                # doorbell first. Our acknowledgement of it may still wait for a ride.
                 if kind == DOOR:
                     self.doors[key] = regions
                     _bound(self.doors)
-                return
-            if kind == DOOR:
+                flush = kind == NUDGE and bool(self._acks)
+            elif kind == DOOR:
                 ex.door = regions
             elif kind == NUDGE:
+                ex.nudged = True
                 read_here = ex.door is not None and not ex.claimed
                 ex.claimed = ex.claimed or read_here
+                # Read already: its acknowledgement may be waiting for a ride.
+                flush = not read_here and bool(self._acks)
             else:
                 ex.was_acked = True
-        if kind == DOOR:
+        if ex is None:
+            if flush:
+                self.flush()
+        elif kind == DOOR:
             ex.door_in.set()
         elif kind == ACK:
             ex.acked.set()
         elif read_here:  # the peer waits on us while this rank is busy elsewhere
-            ex.consume()
+            ex.consume(ack_now=True)
+        elif flush:
+            self.flush()
 
     def _fail(self, cause: BaseException) -> None:
         err = _lost(None if isinstance(cause, EOFError) else cause)
@@ -119,6 +163,22 @@ class Channel:
         for ex in waiting:
             for event in (ex.door_in, ex.read, ex.acked):
                 event.set()
+
+    def drain(self, limit_s: float) -> None:
+        """Before this process goes: let the peer read what this rank sent and still holds
+        ([Note: one-copy release]: a unit left gathered by a forward that no backward
+        followed). Its reads are nudged and waited for, within `limit_s` in all."""
+        deadline = time.monotonic() + limit_s
+        with self.lock:
+            held = [ex for ex in self.exchanges.values() if not ex.acked.is_set()]
+        for ex in held:
+            if self.error is not None:
+                return
+            try:
+                self.send(NUDGE, ex.tag, ex.seq, [])  # our own acknowledgements go too
+            except dist.DistError:
+                return
+            ex.acked.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop the reader and close the socket (at exit, or when the group goes)."""
@@ -152,6 +212,7 @@ class Exchange:
         self.key = key = (tag, seq)
         self.door: list[int] | None = None  # the peer's regions, once its doorbell is in
         self.claimed = False  # a thread has taken the read on
+        self.nudged = False  # the peer asked for our read: acknowledge it at once
         self.door_in, self.read, self.acked = (threading.Event(), threading.Event(),
                                                threading.Event())
         self.was_read = self.was_acked = False  # set by completion only, not by a failure
@@ -167,16 +228,17 @@ class Exchange:
         if self.door is not None:
             self.door_in.set()
 
-    def consume(self) -> None:
-        """Read the peer's parts (its doorbell's regions) into ours and acknowledge them."""
+    def consume(self, ack_now: bool = False) -> None:
+        """Read the peer's parts (its doorbell's regions) into ours and acknowledge them
+        (with our next message, unless `ack_now`: [Note: one-copy release])."""
         ch, regions = self.channel, self.door or []
         try:
             if len(regions) != 2 * len(self.recvs):
                 raise RuntimeError(f"the peer sent {len(regions) // 2} parts where "
                                    f"{len(self.recvs)} were expected")
             cma.read(ch.peer_pid, self.recvs, list(zip(regions[0::2], regions[1::2])))
-            ch.send(ACK, self.tag, self.seq, [])
             self.was_read = True
+            ch.acknowledge(self, ack_now)
         except (RuntimeError, ValueError) as e:
             self.error = RuntimeError(f"one-copy exchange {self.seq} (tag {self.tag}): {e}; "
                                       "the ranks' schedules differ")
@@ -188,15 +250,41 @@ class Exchange:
         self.recvs = []
         self.read.set()
 
-    def wait(self) -> None:
+    def wait_received(self) -> None:
+        """The receive side: the peer's parts are in ours. The peer may still be reading our
+        sends ([Note: one-copy release]): `wait` before they may be freed or written."""
         try:
-            self._wait()
-        finally:  # done, or failed: either way no longer the channel's to answer
-            with self.channel.lock:
-                self.channel.exchanges.pop(self.key, None)
-            self.sends = []
+            self._wait_read()
+        except BaseException:
+            self._leave()
+            raise
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Both sides: our receives are filled and the peer has read our sends."""
+        try:
+            self._wait_read()
+            # A caller that waits for both sides goes on at once: nothing of ours may wait
+            # for a ride that may not come.
+            self.channel.flush()
+            self._until_acked()
+            if self.error is not None:
+                raise self.error
+            if not self.was_acked:  # the channel failed under us
+                raise self.channel.error or _lost(None)
+        finally:  # done, or failed: either way no longer the channel's to answer
+            self._leave()
+
+    @property
+    def released(self) -> bool:
+        """Whether the peer has read our sends (a question only: nothing waits)."""
+        return self.acked.is_set() and self.was_acked
+
+    def _leave(self) -> None:
+        with self.channel.lock:
+            self.channel.exchanges.pop(self.key, None)
+        self.sends = []
+
+    def _wait_read(self) -> None:
         ch = self.channel
         if not self.read.is_set():
             self._until(self.door_in)
@@ -205,15 +293,27 @@ class Exchange:
             if mine and self.door is not None:
                 self.consume()  # here, on the waiting thread: [Note: one-copy order]
             self._until(self.read)
-        if not self.acked.wait(_NUDGE_AFTER_S):
-            ch.send(NUDGE, self.tag, self.seq, [])
-            self._until(self.acked)
         if self.error is not None:
             raise self.error
-        if not (self.was_read and self.was_acked):  # the channel failed under us
+        if not self.was_read:  # the channel failed under us
             raise ch.error or _lost(None)
 
+    def _until_acked(self) -> None:
+        """Wait for the peer's acknowledgement, nudging it after 2 ms and again, less and
+        less often, while it does not come: a nudge that reached the peer before its own
+        issue found nothing to answer, and its acknowledgement may wait for a ride."""
+        ch, pause = self.channel, _NUDGE_AFTER_S
+        deadline = time.monotonic() + ch.timeout_s
+        while not self.acked.wait(min(pause, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise dist.DistError(f"one-copy exchange {self.seq} (tag {self.tag}) timed "
+                                     f"out after {ch.timeout_s:g} s: the peer stalled")
+            ch.send(NUDGE, self.tag, self.seq, [])
+            pause = min(pause * 4, 0.5)
+
     def _until(self, event: threading.Event) -> None:
+        if not event.is_set():
+            self.channel.flush()  # about to block: the peer may wait on ours as well
         if not event.wait(self.channel.timeout_s):
             raise dist.DistError(f"one-copy exchange {self.seq} (tag {self.tag}) timed out "
                                  f"after {self.channel.timeout_s:g} s: the peer stalled")
@@ -233,151 +333,6 @@ def _bound(d: dict) -> None:
         del d[next(iter(d))]
 
 
-_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def channel_for(group: dist.ProcessGroup | None, me: int, peer_global: int,
-                timeout_s: float) -> Channel | None:
-    """The group's channel, set up by the first exchange that asks (both ranks ask at the
-    same point of their schedules); None when the group moves its bytes over gloo."""
-    key = group if group is not None else dist.group.WORLD
-    if key not in _channels:
-        _channels[key] = connect(group, me, peer_global, timeout_s)
-    return _channels[key]
-
-
-def connect(group: dist.ProcessGroup | None, me: int, peer_global: int,
-            timeout_s: float) -> Channel | None:
-    """The channel to the peer when both ranks can read each other's memory, else None on
-    both ranks (each step's outcome is agreed over gloo before the next)."""
-    if not _agree(cma.enabled(), group, peer_global):
-        return None
-    if not _agree(_host_id() == _exchange_bytes(_host_id(), group, peer_global), group,
-                  peer_global):
-        return None
-    sock = _socket(group, me, peer_global, timeout_s)
-    if not _agree(sock is not None, group, peer_global):
-        if sock is not None:
-            sock.close()
-        return None
-    assert sock is not None
-    pid = _peer_pid(sock)
-    if not _agree(_probe(sock, pid), group, peer_global):
-        sock.close()
-        return None
-    return Channel(sock, pid, timeout_s)
-
-
-def _host_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = b""
-    return (socket.gethostname().encode() + b"/" + boot)[:120].ljust(128, b"\0")
-
-
-def _exchange_bytes(mine: bytes, group: dist.ProcessGroup | None, peer: int) -> bytes:
-    out = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    theirs = torch.empty_like(out)
-    s = dist.isend(handoff(out), peer, group=group, tag=_SETUP_TAG)
-    r = dist.irecv(handoff(theirs), peer, group=group, tag=_SETUP_TAG)
-    s.wait()
-    r.wait()
-    return bytes(theirs.tolist())
-
-
-def _agree(ok: bool, group: dist.ProcessGroup | None, peer: int) -> bool:
-    theirs = _exchange_bytes(bytes([int(ok)]), group, peer)
-    return ok and theirs[0] == 1
-
-
-def _socket(group: dist.ProcessGroup | None, me: int, peer: int,
-            timeout_s: float) -> socket.socket | None:
-    """Rank 0 of the pair listens on a fresh abstract name, rank 1 connects to it. Both
-    ranks make the same two gloo exchanges whatever fails (the name, then whether both
-    succeeded), so a failure on one side never leaves the other waiting in a third."""
-    srv = sock = None
-    if me == 0:
-        name = b"\0shardwise-" + uuid.uuid4().hex.encode()
-        try:
-            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            srv.bind(name)
-            srv.listen(1)
-        except OSError:
-            _close(srv)
-            srv, name = None, b""
-        _exchange_bytes(name.ljust(64, b"\0"), group, peer)
-        if not _agree(srv is not None, group, peer):
-            _close(srv)
-            return None
-        assert srv is not None
-        srv.settimeout(timeout_s)
-        try:
-            sock, _ = srv.accept()
-        except OSError:
-            return None  # connect() then agrees on the failure with the peer
-        finally:
-            srv.close()
-    else:
-        name = _exchange_bytes(b"".ljust(64, b"\0"), group, peer).rstrip(b"\0")
-        try:
-            if not name:
-                raise OSError("the peer could not listen")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(name)
-        except OSError:
-            _close(sock)
-            sock = None
-        if not _agree(sock is not None, group, peer):
-            _close(sock)
-            return None
-    assert sock is not None
-    sock.settimeout(timeout_s)
-    return sock
-
-
-def _close(s: socket.socket | None) -> None:
-    if s is not None:
-        s.close()
-
-
-def group_timeout_s(group: dist.ProcessGroup | None, fallback: float) -> float:
-    """The group's own collective timeout (set by whoever made it: sw.init_distributed, a
-    direct dist.init_process_group, new_group), so a one-copy wait gives up when gloo would."""
-    g = group if group is not None else dist.group.WORLD
-    try:
-        return float(g._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - private API: the layer's timeout instead
-        return fallback
-
-
-def _peer_pid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
-
-
-def _probe(sock: socket.socket, pid: int) -> bool:
-    """Read a known value from the peer, as the exchanges will (before the reader starts,
-    so plain blocking messages: this rank's address out, the peer's in, then done)."""
-    value = torch.tensor([_MAGIC + os.getpid() % 1000], dtype=torch.int64)
-    ok = False
-    try:
-        sock.sendall(struct.pack("<2q", value.data_ptr(), os.getpid() % 1000))
-        addr, their_mod = struct.unpack("<2q", _recv_exactly(sock, 16))
-        got = torch.zeros(1, dtype=torch.int64)
-        try:
-            cma.read(pid, [got], [(addr, 8)])
-            ok = int(got[0]) == _MAGIC + their_mod
-        except (OSError, ValueError):
-            pass
-        sock.sendall(b"d")
-        _recv_exactly(sock, 1)  # the peer has read ours: `value` may go
-    except (OSError, EOFError):
-        return False
-    return ok
-
-
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     """`n` bytes from the socket; EOFError when the peer closed it first."""
     buf = bytearray()
@@ -387,23 +342,3 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise EOFError
         buf += chunk
     return bytes(buf)
-
-
-def _close_all() -> None:
-    for ch in list(_channels.values()):
-        if ch is not None:
-            ch.close()
-
-
-def _forget_in_child() -> None:
-    # A forked child has the sockets but not the reader threads: it must not use them.
-    for ch in list(_channels.values()):
-        if ch is not None:
-            ch.error = dist.DistError("a one-copy channel cannot be used in a forked child")
-            ch.sock.close()
-    _channels.clear()
-
-
-atexit.register(_close_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)

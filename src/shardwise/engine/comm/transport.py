@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import one_copy
+from . import one_copy, one_copy_setup
 from . import process_group as PG
 from .work import Issued, Work, all_gather_flat, done, handoff, issue, reduce_scatter_flat
 
@@ -206,6 +206,10 @@ class _Both:
     def wait(self) -> None:
         for h in self.handles:
             h.wait()  # type: ignore[attr-defined]
+        self.handles = ()  # waited: a second wait (the release) returns at once
+
+    # gloo's send completes without the peer: both sides are done together.
+    wait_received = wait
 
 
 _GATHER_TAG, _REDUCE_TAG = 23001, 23002
@@ -229,9 +233,9 @@ class PairTransport(AllToAllTransport):
         if not one_copy.usable(tensors):
             return None
         if self.channel is None:
-            timeout = one_copy.group_timeout_s(self.group,
+            timeout = one_copy_setup.group_timeout_s(self.group,
                                                PG.timeout_s or PG.DEFAULT_TIMEOUT_S)
-            self.channel = one_copy.channel_for(self.group, self.me, self.peer_global,
+            self.channel = one_copy_setup.channel_for(self.group, self.me, self.peer_global,
                                                 timeout)
         return self.channel
 
@@ -286,10 +290,12 @@ class PairTransport(AllToAllTransport):
 
         handle, issued = issue(op, label, self.group, sent, call)
         if not async_op:
-            handle.wait()
+            # The receives are in; the sends stay the peer's to read until the caller's
+            # `wait_sent` ([Note: one-copy release]).
+            handle.wait_received()
             if post is not None:
                 post()
-            return Work(None, output, None, issued)
+            return Work(handle, output, None, issued)
         return Work(handle, output, post, issued)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool,
