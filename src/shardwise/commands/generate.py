@@ -36,7 +36,13 @@ def _load(folder: str):  # -> (logits fn, codec, block size)
                          "and merges.txt)")
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
                                                  dtype=torch.float32).eval()
-    return (lambda x: model(input_ids=x).logits), HFCodec(folder), max_positions(folder)
+    codec = HFCodec(folder)
+    # Stop where `model.generate` stops: at the generation config's end ids (Llama 3 lists
+    # several), not only at the tokenizer's one.
+    stop = getattr(model.generation_config, "eos_token_id", None)
+    if stop is not None:
+        codec.eos = stop
+    return (lambda x: model(input_ids=x).logits), codec, max_positions(folder)
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +52,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt", required=True, help="the text to continue")
     ap.add_argument("--max-new-tokens", type=int, default=100, metavar="N",
                     help="tokens to sample at most (default 100; stops early at EOS)")
-    ap.add_argument("--temperature", type=float, default=0.8, help="default 0.8")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="default 0.8; 0: greedy (the most likely token)")
     ap.add_argument("--top-k", type=int, default=40, help="default 40")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--checkpoint", default="", metavar="step-N",
@@ -90,8 +97,11 @@ def main(argv: list[str]) -> int:
                                  "nor an export folder (config.json or shardwise_gpt.json)")
             torch.manual_seed(args.seed)
             logits, codec, block = _load(folder)
+            # The sampling flags reach the sampler (they were parsed and then dropped, so
+            # --temperature 0 still sampled at 0.8 among the top 40).
             text = sample_text(logits, codec, args.prompt, args.max_new_tokens, block,
-                               args.seed, torch.device("cpu"))
+                               args.seed, torch.device("cpu"), temperature=args.temperature,
+                               top_k=args.top_k)
     except (CheckpointError, ValueError, OSError) as e:
         return report(PROG, e)
     print(text)

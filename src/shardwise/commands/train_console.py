@@ -50,6 +50,7 @@ class ConsoleReporter:
         # Not a terminal (a log file, CI): plain lines, about 20 per run, instead of a bar
         # whose carriage returns would pile up in the file.
         self.plain_every = 0
+        self.tp = 1
 
     def start(self, info: dict[str, Any]) -> None:
         cfg: C.Config = info["config"]
@@ -91,6 +92,7 @@ class ConsoleReporter:
                   "latest checkpoint")
         print(f"  run folder: {info['run_dir']}")
         self.start_step, self.steps = info["start_step"], info["steps"]
+        self.tp = tp
         if sys.stdout.isatty():
             self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
                             dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
@@ -98,9 +100,12 @@ class ConsoleReporter:
             self.plain_every = max(1, (info["steps"] - info["start_step"]) // 20)
 
     def step(self, record: dict[str, Any]) -> None:
-        # A smoothed rate: single steps on a shared CPU are noisy.
+        # A smoothed rate: single steps on a shared CPU are noisy. The first step pays for
+        # lazy initialization (the summary leaves it out): shown alone, it must not seed the
+        # average, which it dragged to 0.65x the summary's rate over a 4-step run.
         r = record["tokens_per_s"]
-        self.tok_s = r if math.isnan(self.tok_s) else 0.8 * self.tok_s + 0.2 * r
+        fresh = math.isnan(self.tok_s) or record["step"] == self.start_step + 2
+        self.tok_s = r if fresh else 0.8 * self.tok_s + 0.2 * r
         line = (f"loss {record['loss']:.3f} | lr {record['lr']:.2e} | gnorm "
                 f"{record['grad_norm']:.3g} | {self.tok_s:,.0f} tok/s | "
                 f"mem {_mem(record['memory_mb'])}")
@@ -144,13 +149,19 @@ class ConsoleReporter:
         if any(after > 1.05 * before for after, before in zip(sampled, s["peak_memory_mb"])):
             print(f"  sampling peak    {_mem(sampled)} per rank (generating the sample after "
                   "training)")
-        print(f"  training state   {_mem(s['state_mb'])} per rank (params+grads+AdamW, fp32); "
+        print(f"  training state   {_mem(s['state_mb'])} per rank (params; grads+AdamW of the "
+              f"trainable ones); "
               f"unsharded {s['unsharded_state_mb']:.1f} MiB")
         parts = ", ".join(f"{k.replace('_', '-')} {_bytes(v)}"
                           for k, v in sorted(s["bytes_per_step_rank0"].items()))
         print(f"  communication    {' / '.join(_bytes(b) for b in s['bytes_per_step'])} "
               f"sent per step per rank, received alike (rank 0: {parts or 'none'}; from the "
               "engine's events, ring collectives)")
+        if self.tp > 1:
+            # TP's activation all-reduces run in torch's parallel styles, outside the engine:
+            # at dp 1 the line above read "0 B" for a run that communicates in every block.
+            print(f"                   FSDP's collectives only: tensor parallelism's (tp="
+                  f"{self.tp}) are not counted")
         print(f"  run folder       {s['run_dir']}")
         if s.get("nonfinite_skipped"):
             print(f"  skipped steps    {s['nonfinite_skipped']} (non-finite loss or grad norm)")

@@ -96,11 +96,13 @@ class UnitCost:
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
               mp: MixedPrecisionPolicy | None, host_offload: bool,
-              plain: bool = True) -> UnitCost:
+              plain: bool = True, replicate_size: int = 1) -> UnitCost:
     """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`.
 
     plain: the sharded parameters are plain tensors (NO_SHARD without TP); False where they
     are DTensors (every other strategy, on a one-rank mesh too), which are never direct.
+    replicate_size: replicas of the shard group (NO_SHARD: the world); with more than one,
+    even direct gradients go through the packed all-reduce, flags included.
     """
     S, r = shard_size, shard_rank
     shard = state = state_params = largest = unsharded = full_grads = 0
@@ -113,6 +115,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     small_gather: dict[torch.dtype, int] = {}
     small_reduce: dict[torch.dtype, int] = {}
     direct_all = True
+    indirect: set[torch.dtype] = set()  # compute dtypes with a grad param that is not direct
     for p in unit.spec.params:
         dims = p.shape if p.shape else (1,)  # a 0-d parameter is sharded as shape (1,)
         dim0, row = dims[0], math.prod(dims[1:])
@@ -142,6 +145,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             # buffer (engine/unit.py, [Note: unused gradients]).
             grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row + 1
             flag_count[cdtype] = flag_count.get(cdtype, 0) + 1
+            if not direct:
+                indirect.add(cdtype)
             rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
             small = C * row and not own_message(C * row, _size(rdtype))
             small_reduce[cdtype] = small_reduce.get(cdtype, 0) + (C * row if small else 0) + 1
@@ -153,8 +158,11 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     grads = 0
     for cdtype, n in grad_chunk.items():
         rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
-        # One rank without casts reduces nothing: its gradients carry no flags.
-        flags = flag_count.get(cdtype, 0) if S == 1 else 0
+        # Only direct gradients with one rank in the world reduce nothing (engine/reduce.py
+        # returns early): they are autograd's own, without flags. Any other group's
+        # gradients are views of the packed buffer, one flag per parameter included.
+        skipped = S * replicate_size == 1 and cdtype not in indirect
+        flags = flag_count.get(cdtype, 0) if skipped else 0
         kept = ((n - flags) * _size(rdtype) if viewed.get(cdtype) else 0) \
             + converted.get(cdtype, 0)
         reduce.append((rdtype, n, 0 if host_offload else kept))

@@ -212,7 +212,7 @@ def plan_one(
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     # [Note: DTensor parameters]: only NO_SHARD without TP keeps plain (maybe direct) ones.
     plain = strategy is ShardingStrategy.NO_SHARD and tp == 1
-    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain) for u in mu.units]
+    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain, R) for u in mu.units]
     foreach = dev.optimizer_foreach if dev is not None else True
     states = model_states(costs, opt, foreach)
     act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32

@@ -18,6 +18,22 @@ MB = 2**20
 STATE_BYTES_PER_PARAM = 4 + 4 + 8
 
 
+def training_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(this rank's, an unsharded replica's) bytes of parameters, plus the gradient and
+    AdamW's two moments of each trainable one, all in the parameter's own dtype (torch
+    creates them like it). A frozen parameter (LoRA's base weights) has neither, and a bf16
+    model's are 2 bytes: a flat STATE_BYTES_PER_PARAM per parameter counted a LoRA run's
+    state at ~4x and a bf16 model's at 2x what it holds."""
+    from ..engine.dtensor import local_of
+
+    local = full = 0
+    for p in model.parameters():  # tied parameters once
+        per = p.element_size() * (4 if p.requires_grad else 1)
+        local += local_of(p).numel() * per
+        full += p.numel() * per  # a DTensor's numel is the global one
+    return local, full
+
+
 def memory_mb(device: torch.device) -> float:
     """This process's memory now: CUDA allocated on a GPU, resident set size on a CPU."""
     if device.type == "cuda":

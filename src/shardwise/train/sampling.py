@@ -8,7 +8,7 @@ generator: each forward is collective, and identical inputs keep the ranks in lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -19,16 +19,27 @@ import torch.nn.functional as F
 def sample_ids(logits: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
                max_new_tokens: int, block_size: int, *, temperature: float = 0.8,
                top_k: int | None = 40, generator: torch.Generator | None = None,
-               eos: int | None = None) -> torch.Tensor:
-    """`idx` (1, T) followed by up to `max_new_tokens` sampled ids (stops after `eos`)."""
+               eos: int | Collection[int] | None = None) -> torch.Tensor:
+    """`idx` (1, T) followed by up to `max_new_tokens` sampled ids (stops after `eos`, an id
+    or several: Hugging Face's generation configs list more than one, as Llama 3's do).
+    temperature 0 is greedy: the most likely id, as Hugging Face's `generate` without
+    sampling picks it (a tiny temperature would still draw among near-ties)."""
+    stop = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     for _ in range(max_new_tokens):
-        out = logits(idx[:, -block_size:])[:, -1, :].float() / max(temperature, 1e-5)  # (1, V)
+        last = logits(idx[:, -block_size:])[:, -1, :].float()  # (1, V)
+        if temperature == 0:
+            nxt = last.argmax(dim=-1, keepdim=True)
+            idx = torch.cat([idx, nxt.to(idx.device)], dim=1)
+            if int(nxt) in stop:
+                break
+            continue
+        out = last / temperature
         if top_k is not None:
             kth = torch.topk(out, min(top_k, out.shape[-1])).values[:, -1:]
             out = out.masked_fill(out < kth, float("-inf"))
         nxt = torch.multinomial(F.softmax(out, dim=-1), 1, generator=generator)  # (1, 1)
         idx = torch.cat([idx, nxt.to(idx.device)], dim=1)
-        if eos is not None and int(nxt) == eos:
+        if int(nxt) in stop:
             break
     return idx
 
@@ -53,7 +64,7 @@ class HFCodec:
         from transformers import AutoTokenizer
 
         self.tok: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.eos = self.tok.eos_token_id
+        self.eos: int | list[int] | None = self.tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         ids = self.tok(text, add_special_tokens=True)["input_ids"]
@@ -65,9 +76,11 @@ class HFCodec:
 
 def sample_text(logits: Callable[[torch.Tensor], torch.Tensor], codec: ByteCodec | HFCodec,
                 prompt: str, max_new_tokens: int, block_size: int, seed: int,
-                device: torch.device) -> str:
+                device: torch.device, *, temperature: float = 0.8,
+                top_k: int | None = 40) -> str:
     """The prompt and its continuation, as text."""
     idx = torch.tensor([codec.encode(prompt)], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = sample_ids(logits, idx, max_new_tokens, block_size, generator=gen, eos=codec.eos)
+    out = sample_ids(logits, idx, max_new_tokens, block_size, temperature=temperature,
+                     top_k=top_k, generator=gen, eos=codec.eos)
     return codec.decode(out[0].tolist())

@@ -35,7 +35,7 @@ from .faults import FaultInjector
 from .guard import NonFiniteGuard
 from .identity import run_keys
 from .losses import counted_targets, evaluate
-from .metrics import MB, STATE_BYTES_PER_PARAM, MetricsFile, memory_mb, peak_memory_mb
+from .metrics import MB, MetricsFile, memory_mb, peak_memory_mb, training_state_bytes
 from .model import GPT
 from .sampling import ByteCodec, HFCodec, sample_text
 from .tensor_parallel import check_world
@@ -339,7 +339,8 @@ class Trainer:
         self.events.stop()
         if self.rank == 0 and sample:
             (self.run_dir / "sample.txt").write_text(sample)
-        state_mb = self.local_params * STATE_BYTES_PER_PARAM / MB
+        state_bytes, unsharded_state_bytes = training_state_bytes(self.model)
+        state_mb = state_bytes / MB
         comm = self.events.counter.last_step()
         rows = Cm.all_gather_floats([train_peak, state_mb, float(sum(comm.values())),
                                      peak_memory_mb(self.device)])
@@ -353,7 +354,7 @@ class Trainer:
             "peak_memory_mb": [r[0] for r in rows],
             "sample_peak_memory_mb": [r[3] for r in rows],
             "state_mb": [r[1] for r in rows],
-            "unsharded_state_mb": self.n_params * STATE_BYTES_PER_PARAM / MB,
+            "unsharded_state_mb": unsharded_state_bytes / MB,
             "bytes_per_step": [int(r[2]) for r in rows],
             "bytes_per_step_rank0": comm if self.rank == 0 else {},
             "sample": sample, "device": self.device.type,

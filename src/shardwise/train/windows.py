@@ -22,9 +22,16 @@ class EventLog:
         self.file = path.open("a") if write else None
         self.sinks: list[Any] = [self.counter]
         if self.file is not None:
-            self.sinks.append(JsonlSink(self.file))
+            self._jsonl = JsonlSink(self.file)
+            self.sinks.append(self._write)
         for sink in self.sinks:
             attach_sink(model, sink)
+
+    def _write(self, ev: Any) -> None:
+        # Paused with the counter (validation, sampling): their gathers are not the step's,
+        # and the replay summed them into it (1.71x the step's bytes on an evaluation step).
+        if not self.counter.paused:
+            self._jsonl(ev)
 
     def stop(self) -> None:
         """Detach (the engine pays nothing from here on) and close; idempotent."""
