@@ -9,8 +9,11 @@ processes (default 200 rounds of 1 step each way: on and off take turns every st
 change of the machine's load, large on a shared 2-core machine, falls on both alike).
 
 Prints the median and mean step times each way, their difference, and the host time spent
-inside the check itself per step (start: fingerprint + issue at the forward; settle: the
-wait at the first backward hook).
+inside the check itself per step (start: the fingerprint at the forward's start and the issue
+at the first backward hook, which carries the hooked agreement; settle: the wait where the
+schedule first needs it, [Note: hooked agreement] in engine/schedule_lockstep.py). Off, the
+schedule decides on this rank's own hooked flags (the same decisions here: every unit is
+hooked on every rank).
 """
 
 from __future__ import annotations
@@ -56,15 +59,16 @@ def worker(rank: int, world: int, name: str, rounds: int, steps: int) -> dict:
     inside = {"start": 0.0, "settle": 0.0}
 
     def timed(fn, key: str):  # host time spent inside the check's own calls
-        def call(self: FreezeCheck) -> None:
+        def call(self: FreezeCheck, *args: object) -> object:
             t0 = time.perf_counter()
             try:
-                fn(self)
+                return fn(self, *args)
             finally:
                 inside[key] += time.perf_counter() - t0
         return call
 
     FreezeCheck.start = timed(FreezeCheck.start, "start")  # type: ignore[method-assign]
+    FreezeCheck.issue = timed(FreezeCheck.issue, "start")  # type: ignore[method-assign]
     FreezeCheck.settle = timed(FreezeCheck.settle, "settle")  # type: ignore[method-assign]
     times: dict[bool, list[float]] = {False: [], True: []}
     spent: dict[str, list[float]] = {"start": [], "settle": []}

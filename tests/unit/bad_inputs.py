@@ -156,6 +156,9 @@ CASES: list[Case] = [
     api("shard_model(mesh)", "a 1-D mesh with HYBRID_SHARD", "HYBRID_SHARD needs a 2-D "
         "DeviceMesh (replicate, shard)",
         _sm(sharding_strategy="HYBRID_SHARD", mesh=SimpleNamespace(ndim=1))),
+    api("shard_model(mesh)", "a 2-D mesh with NO_SHARD", "NO_SHARD takes mesh=None (every "
+        "rank) or a 1-D DeviceMesh of the ranks that replicate the model",
+        _sm(sharding_strategy="NO_SHARD", mesh=SimpleNamespace(ndim=2))),
     api("shard_model(ignored_params)", "5", "ignored_params=5 is not allowed: must be None or an "
         "iterable of torch.nn.Parameter", _sm(ignored_params=5)),
     api("shard_model(ignored_params)", "['w']", "ignored_params holds 'w'",

@@ -53,6 +53,9 @@ def _moe_steps(used: list[int], steps: int = 2) -> list[str]:
     s.groups = Groups(members=[experts], member_of={id(e): (0, i) for i, e in enumerate(experts)},
                       inside={id(e): frozenset({0}) for e in experts},
                       closes={id(layer): (0,), id(root): (0,)})
+    # [Note: hooked agreement]: a skipped expert is not hooked here; the ranks' agreement
+    # says some rank (the one that uses every expert) hooked each.
+    s.settle = lambda: s.agree([True] * len(s.units))
     for _ in range(steps):
         s.begin_forward()
         s.pre_forward(root, True)  # ids need no gradient: no post-backward token

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..engine.checks import check_module, check_path
-from ..engine.comm import collectives as C
+from ..engine.model_group import model_group
 from .state_dict import gather_full
 from .sync import agreed, as_error
 
@@ -40,10 +40,12 @@ def save_adapter(path: str | os.PathLike, model: nn.Module) -> str:
     """Write the peft adapter folder of a sharded peft `model` at `path` (adapter_config.json,
     adapter_model.safetensors, README.md): what `PeftModel.from_pretrained` loads.
 
-    Every rank must call it; rank 0 writes. `path` must not exist yet, or be an empty folder.
+    Every rank of the model must call it; the model's first rank writes (rank 0 unless the
+    model runs on a subgroup). `path` must not exist yet, or be an empty folder.
     Returns the folder's absolute path.
     """
-    with agreed():
+    group = model_group(model)
+    with agreed(group=group):
         out = os.path.abspath(check_path("path", path))
         check_module("model", model)
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -54,8 +56,8 @@ def save_adapter(path: str | os.PathLike, model: nn.Module) -> str:
             raise ValueError(f"model={type(model).__name__} is not a peft model (give the "
                              "model get_peft_model returned)")
     sd = adapter_state_dict(model)
-    with agreed(as_error):
-        if C.rank() == 0:
+    with agreed(as_error, group=group):
+        if group.is_first:
             tmp = f"{out}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
             try:

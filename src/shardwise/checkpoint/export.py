@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..engine.checks import check_module, check_path
-from ..engine.comm import collectives as C
+from ..engine.model_group import model_group
 from . import atomic
 from .manifest import CheckpointError, model_name, read_manifest
 from .reader import RowReader, check_size, verify_file
@@ -162,12 +162,16 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
 
     `path` is a directory (model.safetensors, or shards plus the index past
     `max_shard_bytes`), or a file name ending in `.safetensors` (that one file, any size).
-    Every rank must call it (tensors are all-gathered one at a time); rank 0 writes. Returns
-    the paths of the weight files (on every rank).
+    Every rank of the model must call it (tensors are all-gathered one at a time); the
+    model's first rank writes (rank 0 unless the model runs on a subgroup: [Note: model
+    ranks] in engine/model_group.py). Returns the paths of the weight files (on every rank
+    of the model).
     """
     writer: ConsolidatedWriter | None = None
     names: list[str] = []
-    with agreed(as_error):  # the checks raise no OSError: only the writer's is converted
+    group = model_group(model)
+    # The checks raise no OSError: only the writer's is converted.
+    with agreed(as_error, group=group):
         _check_limit(max_shard_bytes)
         out = os.path.abspath(check_path("path", path))
         check_module("model", model)
@@ -182,11 +186,11 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
                                    f"load the model before exporting it")
             dtype = e.sp.orig_dtype if e.sp is not None else e.tensor.dtype
             entries.append(Entry(e.key, dtype, e.shape))
-        if C.rank() == 0:
+        if group.is_first:
             writer = ConsolidatedWriter(out, entries, max_shard_bytes, _metadata(view.aliases))
             names = [os.path.join(writer.out_dir, n) for n in writer.names]
 
-    # Rank 0 keeps going after a failed write: the other ranks still gather every tensor
+    # The writer keeps going after a failed write: the other ranks still gather every tensor
     # with it, and all raise together at the end.
     err: BaseException | None = None
     for e in view.entries:
@@ -203,12 +207,12 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
                 err = as_error(ex)
                 writer.abort()
         del full  # one full tensor at a time
-    with agreed(as_error):
+    with agreed(as_error, group=group):
         if err is not None:
             raise err
         if writer is not None:
             writer.close()
-    n = C.all_gather_bytes(json.dumps(names).encode())[0]  # rank 0 knows the names
+    n = group.all_gather_bytes(json.dumps(names).encode())[0]  # the writer knows them
     return list(json.loads(n))
 
 

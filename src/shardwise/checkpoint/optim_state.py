@@ -65,7 +65,7 @@ def collect(optimizer: torch.optim.Optimizer, view: ModelView
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
                     sname = optim_name(fqn, name)
                     slots.append(sharded_slot(sname, sp, v) if sp is not None
-                                 else full_slot(sname, v))
+                                 else full_slot(sname, v, view.writes_full))
                     desc["tensors"].append(name)
                 elif isinstance(v, torch.Tensor) and v.dim() == 0:
                     desc["scalars"][name] = {"value": v.item(), "dtype": dtype_name(v.dtype)}

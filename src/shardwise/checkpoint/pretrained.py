@@ -20,6 +20,7 @@ Order of work, so that a refusal leaves every rank untouched:
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from ..engine.checks import check_bool, check_module, check_path
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.inspect import units_of
 from ..engine.materialize import _still_unfilled, _unfilled
+from ..engine.model_group import model_group
 from ..engine.sharded_param import ShardedParam
 from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
 from .manifest import CheckpointError
@@ -87,14 +89,17 @@ def _plan(model: nn.Module, view: ModelView, path: str, strict: bool) -> _Plan:
     has_adapters = any(is_adapter_key(t, km.adapters) for t in km.targets)
     sources: dict[str, StoredTensor] = {}
     missing, mismatched, skipped_meta = [], [], []
+    copies: list[tuple[ModelEntry, StoredTensor, StoredTensor]] = []
     for e in view.entries:
-        ck = next((km.targets[k] for k in by_entry[e.key] if k in km.targets), None)
-        st = files.tensors[ck] if ck is not None else None
+        cks = list(dict.fromkeys(km.targets[k] for k in by_entry[e.key] if k in km.targets))
+        st = files.tensors[cks[0]] if cks else None
         if st is not None and st.shape != e.shape:
             mismatched.append((e.key, st.shape, e.shape))
             st = None
         if st is not None:
             sources[e.key] = st
+            copies += [(e, st, files.tensors[ck]) for ck in cks[1:]
+                       if files.tensors[ck].shape == e.shape]
             continue
         # Not loaded: reported missing unless HF ignores it (its ignore list; adapter
         # weights when the checkpoint is a base model's).
@@ -117,6 +122,7 @@ def _plan(model: nn.Module, view: ModelView, path: str, strict: bool) -> _Plan:
             f"{_names(skipped_meta)} will not be loaded from {path} and are still on the meta "
             "device: initialize the model first (sw.materialize(model, init_fn=...)), then "
             "load_pretrained overwrites what the checkpoint holds")
+    _check_tied_copies(path, copies)
     meta_buffers = _meta_buffers(model, set(view.keys))
     if meta_buffers and hf_root(model) is None:
         raise ValueError(
@@ -128,6 +134,41 @@ def _plan(model: nn.Module, view: ModelView, path: str, strict: bool) -> _Plan:
         missing_keys=missing, unexpected_keys=km.unexpected, mismatched_keys=mismatched,
         computed_buffers=[k for k, _, _ in meta_buffers], files=files.files)
     return _Plan(sources, result, meta_buffers)
+
+
+def _check_tied_copies(path: str, copies: list[tuple[ModelEntry, StoredTensor, StoredTensor]]
+                       ) -> None:
+    """Refuse tied keys whose stored copies differ (this rank's block of them).
+
+    `from_pretrained` then unties them (each key keeps its own values); a model sharded tied
+    has one parameter for both, so any choice would differ from it. Identical copies (a
+    checkpoint that stores both keys of one tensor) load as one. Compared in the parameter's
+    dtype, as transformers compares the loaded parameters. Every rank compares its own rows
+    and the plan's agreement raises on every rank.
+    """
+    if not copies:
+        return
+    reader = BlockReader(DEFAULT_BUFFER_BYTES)
+    try:
+        for e, a, b in copies:
+            if e.sp is not None:
+                shape, dtype, block = tuple(e.sp.local.shape), e.sp.orig_dtype, owned_block(e.sp)
+            else:
+                shape, dtype = e.shape or (1,), e.tensor.dtype
+                block = tuple(slice(0, n) for n in e.shape)
+            if math.prod(shape) == 0:
+                continue
+            mine, other = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            reader.read_into(a, block, mine)
+            reader.read_into(b, block, other)
+            if not torch.equal(mine, other):
+                raise ValueError(
+                    f"{path}: {a.key} and {b.key} hold different values, but the model ties "
+                    f"them (one parameter, {e.key}); from_pretrained would untie them. Build "
+                    "the model untied (tie_word_embeddings=False in its config) or load a "
+                    "checkpoint that stores the tied tensor once")
+    finally:
+        reader.close()
 
 
 def _meta_buffers(model: nn.Module, stored: set[str]) -> list[tuple[str, nn.Module, str]]:
@@ -151,7 +192,8 @@ def _meta_buffers(model: nn.Module, stored: set[str]) -> list[tuple[str, nn.Modu
 
 
 def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) -> LoadResult:
-    """Load pretrained weights from `path` into the sharded `model`; every rank must call it.
+    """Load pretrained weights from `path` into the sharded `model`; every rank of the model
+    must call it (on a subgroup, no other rank: the agreements run over the model's ranks).
 
     `path`: a Hugging Face folder (model.safetensors, or model.safetensors.index.json with
     its files), a shardwise export (`sw.export_safetensors`), or one .safetensors file.
@@ -171,7 +213,8 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) ->
     may then hold part of the new weights.
     """
     plan: _Plan | None = None
-    with agreed():
+    group = model_group(model)
+    with agreed(group=group):
         check_module("model", model)
         where = check_path("path", path)
         check_bool("strict", strict)
@@ -185,7 +228,7 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) ->
     reader = BlockReader(DEFAULT_BUFFER_BYTES)
     staged: list[tuple[ShardedParam, torch.Tensor]] = []
     plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    with agreed(as_error):
+    with agreed(as_error, group=group):
         try:
             with torch.no_grad():
                 for e in view.entries:

@@ -179,6 +179,8 @@ class BlockReader:
     def read_into(self, st: StoredTensor, block: tuple[slice, ...], out: torch.Tensor) -> None:
         """Copy `st[block]` into `out` (shaped like the block; 0-d: one row)."""
         if not st.shape:  # a 0-d tensor: slices do not apply
+            if block[0].stop == block[0].start:
+                return  # an empty shard (its one row is another rank's): nothing to read
             value = self._handle(st.file).get_tensor(st.key)  # type: ignore[attr-defined]
             out.copy_(value.reshape(out.shape))
             self._count(st.file, st.dtype.itemsize)

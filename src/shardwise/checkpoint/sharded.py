@@ -3,7 +3,10 @@
 See [Note: checkpoint format] (manifest.py) for what is on disk and [Note: atomic publish]
 (atomic.py) for why a crash never leaves a checkpoint that loads wrongly. Every check that
 can fail on one rank is agreed on by all (`sync.agreed`), so an error raises everywhere and no
-rank is left waiting in a collective.
+rank is left waiting in a collective. All of it runs over the model's ranks ([Note: model
+ranks] in engine/model_group.py): on a model sharded on a subgroup, only its ranks call
+these, and its first rank (global rank 0 when the model runs on every rank) writes the
+manifest and the replicated tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..engine.checks import check_bool, check_module, check_path
 from ..engine.comm import collectives as C
 from ..engine.fully_shard import reshard_between_steps
 from ..engine.inspect import units_of
+from ..engine.model_group import ModelGroup, model_group
 from ..engine.sharded_param import ShardedParam
 from . import atomic, optim_state
 from .finite import check_finite
@@ -69,18 +73,21 @@ def save_checkpoint(
 ) -> None:
     """Save `model` (and `optimizer`) as a sharded checkpoint directory at `path`.
 
-    Every rank must call it. Each rank writes the rows it owns (replica 0 only under
-    HYBRID_SHARD/NO_SHARD) to its own safetensors file; rank 0 writes the manifest and
-    publishes the directory atomically, replacing an existing checkpoint at `path` only once
-    the new one is complete. `extra` must be JSON-serializable; `load_checkpoint` returns it.
-    A parameter or optimizer state holding NaN/inf raises ValueError on every rank before
-    anything is written, unless `allow_nonfinite` (see finite.py; the check reads each
-    tensor once, about 3% of a save). `trainable_only` saves only the parameters that
-    require grad (a LoRA run's adapters: the frozen base is never written again); load such
-    a checkpoint with `trainable_only=True` too.
+    Every rank of the model must call it (on a subgroup, no other rank). Each rank writes
+    the rows it owns (replica 0 only under HYBRID_SHARD/NO_SHARD) to its own safetensors
+    file; the model's first rank (rank 0 unless the model runs on a subgroup) writes the
+    replicated tensors and the manifest, and publishes the directory atomically, replacing
+    an existing checkpoint at `path` only once the new one is complete. `extra` must be
+    JSON-serializable; `load_checkpoint` returns it. A parameter or optimizer state holding
+    NaN/inf raises ValueError on every rank before anything is written, unless
+    `allow_nonfinite` (see finite.py; the check reads each tensor once, about 3% of a save).
+    `trainable_only` saves only the parameters that require grad (a LoRA run's adapters:
+    the frozen base is never written again); load such a checkpoint with
+    `trainable_only=True` too.
     """
     target = ""
-    with agreed():
+    group = model_group(model)
+    with agreed(group=group):
         target = _target(path)
         check_module("model", model)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)
@@ -108,25 +115,25 @@ def save_checkpoint(
         if not allow_nonfinite:
             check_finite(slots, C.rank())
 
-    with agreed(as_error):
-        if C.rank() == 0:
+    with agreed(as_error, group=group):
+        if group.is_first:
             atomic.prepare(target)
 
     def discard() -> None:  # a failed save leaves no partial directory behind
-        if C.rank() == 0:
+        if group.is_first:
             atomic.discard(target)
 
     partial = atomic.partial_path(target)
     report: dict[str, Any] = {}
-    with agreed(as_error, cleanup=discard):
+    with agreed(as_error, cleanup=discard, group=group):
         report = _write_rank_file(partial, slots)
         report["optim_state"] = opt_state
     atomic.crash_point("files_written")
 
-    reports = [json.loads(b) for b in C.gather_bytes(json.dumps(report).encode())]
-    with agreed(as_error, cleanup=discard):
-        if C.rank() == 0:
-            m = _merge(reports, view, opt_json, step, extra)
+    reports = [json.loads(b) for b in group.gather_bytes(json.dumps(report).encode())]
+    with agreed(as_error, cleanup=discard, group=group):
+        if group.is_first:
+            m = _merge(reports, view, opt_json, step, extra, group)
             write_text(os.path.join(partial, MANIFEST), m.to_json())
             fsync_dir(partial)
             atomic.crash_point("manifest_written")
@@ -159,11 +166,11 @@ def _write_rank_file(partial: str, slots: list[Slot]) -> dict[str, Any]:
 
 
 def _merge(reports: list[dict[str, Any]], view: ModelView, opt_json: dict[str, Any] | None,
-           step: int | None, extra: Any) -> Manifest:
+           step: int | None, extra: Any, group: ModelGroup) -> Manifest:
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, TensorInfo] = {}
     opt_state: dict[str, Any] = {}
-    for rank, rep in enumerate(reports):
+    for rank, rep in zip(group.ranks, reports):
         if rep.get("file"):
             files[rep["file"]] = {"bytes": rep["bytes"], "sha256": rep["sha256"]}
         for name, t in rep["tensors"].items():
@@ -195,7 +202,7 @@ def _merge(reports: list[dict[str, Any]], view: ModelView, opt_json: dict[str, A
     if opt_json is not None:
         opt_json = {**opt_json, "state": opt_state}
     return Manifest(step=step, extra=extra, versions=versions(),
-                    saved_by={"world_size": C.world_size(), "files": len(files)},
+                    saved_by={"world_size": group.size, "files": len(files)},
                     files=files, tensors=tensors, model_keys=view.keys,
                     aliases=view.aliases, optimizer=opt_json)
 
@@ -213,8 +220,9 @@ def load_checkpoint(
 ) -> Any:
     """Load a checkpoint saved at any world size into `model` (and `optimizer`); return extra.
 
-    Every rank must call it. Each rank reads only the rows it holds. With `verify`, every
-    file's SHA-256 is checked first (the files are split among the ranks, so each byte is
+    Every rank of the model must call it (on a subgroup, no other rank). Each rank reads only
+    the rows it holds. With `verify`, every file's SHA-256 is checked first (the files are
+    split among the model's ranks, so each byte is
     read once more in total). Nothing in the model or optimizer changes unless everything
     was read successfully; a missing, truncated or corrupted file, or a checkpoint of a
     different architecture, raises CheckpointError on every rank. `trainable_only`: the
@@ -223,7 +231,8 @@ def load_checkpoint(
     """
     m: Manifest | None = None
     ckpt = ""
-    with agreed():
+    group = model_group(model)
+    with agreed(group=group):
         target = _target(path)
         check_module("model", model)
         _check_optimizer(optimizer)
@@ -247,17 +256,18 @@ def load_checkpoint(
     assert m is not None
 
     if verify:
-        with agreed():
-            verify_files(ckpt, m, C.rank(), C.world_size())
+        with agreed(group=group):
+            verify_files(ckpt, m, group.index, group.size)
 
     staged: list[tuple[ShardedParam, torch.Tensor]] = []
     plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     opt_sd = None
+    stored = _stored_names(view, m)
     reader = RowReader(ckpt, m)
-    with agreed(as_error):
+    with agreed(as_error, group=group):
         try:
             for e in view.entries:
-                name = model_name(m.aliases.get(e.key, e.key))
+                name = stored[e.key]
                 if e.sp is not None:
                     staged.append((e.sp, own_rows(e.sp, reader.read(name, *stored_rows(e.sp)))))
                 else:
@@ -282,16 +292,31 @@ def load_checkpoint(
     return m.extra
 
 
+def _stored_names(view: ModelView, m: Manifest) -> dict[str, str]:
+    """Model entry key -> the stored tensor it loads from.
+
+    A parameter the model ties (several keys) that the checkpoint stores more than once (it
+    was saved untied) takes the tensor of its last key, as nn.Module.load_state_dict of the
+    saved keys leaves it on the unsharded model.
+    """
+    out: dict[str, str] = {}
+    for key in view.keys:  # state-dict order: a later key replaces an earlier one
+        out[view.aliases.get(key, key)] = model_name(m.aliases.get(key, key))
+    return out
+
+
 def _check_model(view: ModelView, m: Manifest, where: str) -> None:
     """The first key whose presence or shape differs, in the model's order."""
-    for e in view.entries:
-        info = m.model_tensor(e.key)
+    shapes = {e.key: e.shape for e in view.entries}
+    for key in view.keys:
+        shape = shapes[view.aliases.get(key, key)]
+        info = m.model_tensor(key)
         if info is None:
-            raise CheckpointError(f"{where} does not match the model: {e.key} (shape "
-                                  f"{e.shape}) is not in the checkpoint")
-        if info.shape != e.shape:
-            raise CheckpointError(f"{where} does not match the model: {e.key} has shape "
-                                  f"{info.shape} in the checkpoint, {e.shape} in the model")
+            raise CheckpointError(f"{where} does not match the model: {key} (shape "
+                                  f"{shape}) is not in the checkpoint")
+        if info.shape != shape:
+            raise CheckpointError(f"{where} does not match the model: {key} has shape "
+                                  f"{info.shape} in the checkpoint, {shape} in the model")
     mine = set(view.keys)
     for key in m.model_keys:
         if key not in mine:

@@ -6,7 +6,8 @@ holds, and `writes`, true on exactly one rank per row. Sharded parameters (and o
 state shaped like them) are held by their shard owners and written by replica 0 of the
 replicate group (HYBRID_SHARD and NO_SHARD keep identical copies elsewhere). Everything
 else (buffers, ignored parameters) is replicated: every rank holds all rows and global
-rank 0 writes them.
+the model's first rank writes them (global rank 0 when the model runs on every rank;
+[Note: model ranks] in engine/model_group.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from ..engine.comm import collectives as C
 from ..engine.dtensor import local_of
 from ..engine.inspect import named_sharded_params
+from ..engine.model_group import model_group
 from ..engine.sharded_param import ShardedParam
 from .manifest import model_name
 
@@ -91,9 +93,10 @@ def own_rows(sp: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
     return rows if sp.tp is None else sp.tp.from_rows(rows)
 
 
-def full_slot(name: str, t: torch.Tensor) -> Slot:
+def full_slot(name: str, t: torch.Tensor, writes: bool) -> Slot:
+    """A replicated tensor: every rank holds all rows; `writes` on the model's first rank."""
     rows = rows_of(t.detach())
-    return Slot(name, tuple(t.shape), t.dtype, 0, rows.shape[0], C.rank() == 0, rows)
+    return Slot(name, tuple(t.shape), t.dtype, 0, rows.shape[0], writes, rows)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class ModelEntry:
     key: str  # state-dict key
     sp: ShardedParam | None  # None: a buffer or an unsharded (ignored) parameter
     tensor: torch.Tensor  # what the module holds now
+    writes_full: bool = True  # this rank writes replicated tensors: the model's first rank
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,7 +113,7 @@ class ModelEntry:
     def slot(self) -> Slot:
         if self.sp is not None:
             return sharded_slot(model_name(self.key), self.sp, self.sp.local)
-        return full_slot(model_name(self.key), self.tensor)
+        return full_slot(model_name(self.key), self.tensor, self.writes_full)
 
 
 @dataclass
@@ -119,12 +123,14 @@ class ModelView:
     aliases: dict[str, str]  # tied key -> stored key
     # id(parameter object the optimizer holds) -> (fqn, its ShardedParam or None)
     params: dict[int, tuple[str, ShardedParam | None]]
+    writes_full: bool = True  # this rank writes replicated tensors: the model's first rank
 
 
 def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
     """The model's state-dict keys mapped to sharded parameters, tied keys to their first.
     `trainable_only`: only parameters that require grad (a LoRA run's adapters)."""
     canonical = {id(sp): fqn for fqn, sp in named_sharded_params(model)}
+    first = model_group(model).is_first
     entries: list[ModelEntry] = []
     keys: list[str] = []
     aliases: dict[str, str] = {}
@@ -145,13 +151,13 @@ def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
             aliases[key] = first_plain[id(t)]
             continue
         first_plain[id(t)] = key
-        entries.append(ModelEntry(key, None, t))
+        entries.append(ModelEntry(key, None, t, first))
     params: dict[int, tuple[str, ShardedParam | None]] = {
         id(sp.sharded): (fqn, sp) for fqn, sp in named_sharded_params(model)}
     for name, p in model.named_parameters():
         if getattr(p, "_sw_param", None) is None:
             params.setdefault(id(p), (name, None))
-    return ModelView(entries, keys, aliases, params)
+    return ModelView(entries, keys, aliases, params, first)
 
 
 def set_plain(model: nn.Module, key: str, t: torch.Tensor, value: torch.Tensor,

@@ -10,6 +10,7 @@ from torch import nn
 from ..engine.checks import check_bool, check_module
 from ..engine.comm import collectives as C
 from ..engine.fully_shard import reshard_between_steps
+from ..engine.model_group import model_group
 from ..engine.sharded_param import ShardedParam
 from .slots import set_plain
 from .sync import agreed
@@ -39,12 +40,15 @@ def gather_full(sp: ShardedParam) -> torch.Tensor:
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Original FQNs -> full CPU tensors (parameters and buffers).
 
-    Every rank must call it (it all-gathers one tensor at a time). With `rank0_only`, ranks
-    other than 0 get an empty dict and hold no full tensors beyond the one in flight.
+    Every rank of the model must call it (it all-gathers one tensor at a time). With
+    `rank0_only`, only the model's first rank keeps the tensors: global rank 0 when the
+    model runs on every rank, the lowest of its ranks when it is sharded on a subgroup
+    (ranks {1, 2} of 3: rank 1); the others get an empty dict and hold no full tensors
+    beyond the one in flight. Ranks that do not run the model do not take part.
     """
     check_module("model", model)
     check_bool("rank0_only", rank0_only)
-    keep = not rank0_only or C.rank() == 0
+    keep = not rank0_only or model_group(model).is_first
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -95,49 +99,59 @@ def load_full_state_dict(
     """Load full tensors into a sharded model; each rank keeps only its rows.
 
     Works on a model still on the meta device (its shards are allocated here). With
-    `from_rank0`, only rank 0 needs `sd`; tensors are broadcast one at a time. The state dict
-    is checked (keys, shapes) before any tensor moves, and a failure raises on every rank.
+    `from_rank0`, only the model's first rank needs `sd` (global rank 0 when the model runs
+    on every rank; on a subgroup, the lowest of its ranks, as `full_state_dict(rank0_only=
+    True)` returns it there); tensors are broadcast from it over the model's ranks, one at a
+    time. Every rank of the model must call it, no other rank. The state dict is checked
+    (keys, shapes) before any tensor moves, and a failure raises on every rank of the model.
     """
     check_module("model", model)
     check_bool("from_rank0", from_rank0)
     check_bool("strict", strict)
     reshard_between_steps(model, "load_full_state_dict")
     model_sd = model.state_dict(keep_vars=True)
-    checker = not from_rank0 or C.rank() == 0
+    group = model_group(model)
+    checker = not from_rank0 or group.is_first
     # Raised on every rank with the failing rank's message, before any tensor moves.
-    with agreed():
+    with agreed(group=group):
         if checker:
-            err = ("load_full_state_dict got sd=None on a rank that must provide it"
-                   if sd is None else _check(model_sd, sd, strict))
+            who = (f"{group.describe()}, which must provide it with from_rank0=True"
+                   if from_rank0 else f"rank {C.rank()} (every rank must provide it "
+                   "unless from_rank0=True)")
+            err = (f"load_full_state_dict got sd=None on {who}" if sd is None
+                   else _check(model_sd, sd, strict))
             if err:
                 raise ValueError(err)
-    broadcast = from_rank0 and C.world_size() > 1
+    broadcast = from_rank0 and group.size > 1
     device = torch.device("cpu")
     if broadcast:
         if C.backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        # Which keys rank 0 has (all of them when strict): one small broadcast.
-        present = torch.tensor([sd is not None and k in sd for k in model_sd] if C.rank() == 0
+        # Which keys the first rank has (all of them when strict): one small broadcast.
+        present = torch.tensor([sd is not None and k in sd for k in model_sd] if checker
                                else [False] * len(model_sd), dtype=torch.uint8, device=device)
-        C.broadcast(present, src=0)
-    done: set[int] = set()
+        group.broadcast(present)
+        has = [bool(x) for x in present.tolist()]
+    else:
+        has = [sd is not None and k in sd for k in model_sd]
+    # A tied parameter takes the value of its last key that the state dict holds, as
+    # nn.Module.load_state_dict (which copies every key in turn) leaves it on the unsharded
+    # model; the earlier keys are neither broadcast nor copied.
+    last = {id(_sp(t)): k for (k, t), h in zip(model_sd.items(), has)
+            if h and _sp(t) is not None}
     for i, (key, t) in enumerate(model_sd.items()):
         sp = _sp(t)
+        if not has[i] or (sp is not None and last[id(sp)] != key):
+            continue
         if broadcast:
-            if not present[i]:
-                continue
             shape = sp.global_shape if sp else tuple(t.shape)
             dtype = sp.orig_dtype if sp else t.dtype
-            buf = sd[key].to(device, dtype) if C.rank() == 0 else torch.empty(
+            buf = sd[key].to(device, dtype) if checker else torch.empty(
                 shape, dtype=dtype, device=device)
-            full = C.broadcast(buf.contiguous(), src=0)
+            full = group.broadcast(buf.contiguous())
         else:
-            if sd is None or key not in sd:
-                continue
             full = sd[key]
         if sp is not None:
-            if id(sp) not in done:
-                sp.set_full(full.to(sp.orig_dtype))
-                done.add(id(sp))
+            sp.set_full(full.to(sp.orig_dtype))
         else:
             set_plain(model, key, t, full)

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import dtensor as DT
 from .comm import collectives as C
 from .events import EventSink
 from .freeze_check import FreezeCheck
 from .lockstep import find_groups
+from .mesh import agreement_groups
 from .schedule import Limits, Schedule, ShardedState, TrainingState
 from .tp import check_params_in_place
 from .unit import Unit
@@ -32,6 +34,8 @@ class ModelContext:
         self.top = top
         self.units: list[Unit] = [top]
         self.schedule: Schedule[Unit] = Schedule(self.units)
+        self.schedule.region_of = _checkpoint_region
+        self.schedule.settle = self._settle_agreement
         self.sinks: list[EventSink] = []
         # Training step that events are labelled with (observe.sinks.set_step).
         self.step = 0
@@ -41,6 +45,9 @@ class ModelContext:
         self.post_optim_event: object | None = None
         # Every rank trains the same parameters ([Note: freeze check] in freeze_check.py).
         self.freeze_check = FreezeCheck()
+        # The groups the checks above agree over: the model's ranks ([Note: model group]
+        # in mesh.py), set at the first forward.
+        self.groups: list[Any] = [None]
 
     @classmethod
     def create(cls, top: Unit) -> ModelContext:
@@ -106,12 +113,24 @@ class ModelContext:
                 f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are still on the "
                 "meta device: call sw.materialize(model) or sw.load_full_state_dict(model, "
                 "sd) before the first forward")
+        ext = [p.fqn for u in self.units for p in u.params
+               if DT.uses_all_gather_extension(p.sharded)]
+        if ext:
+            # Patched onto the shards after sharding (FSDP2's monkey-patch recipe): refused
+            # before any collective, on every rank, rather than gathered without it.
+            raise NotImplementedError(
+                f"parameters {ext[:5]} carry FSDP2's all-gather extension "
+                "(fsdp_pre_all_gather / fsdp_post_all_gather), which shardwise does not run")
         check_params_in_place(self.units)
-        _check_same_layout(self.units)
-        self.freeze_check.prepare(self.units)
+        self.groups = agreement_groups(self.units)
+        _check_same_layout(self.units, self.groups)
+        self.freeze_check.prepare(self.units, self.groups)
         # Sibling units that data may skip ([Note: lockstep] in schedule.py).
         self.schedule.groups = find_groups(self.top.modules, self.units,
                                            {id(u): u.modules for u in self.units})
+        from .hooks import hook_holders  # hooks.py imports this module
+
+        hook_holders(self)
         self.ready = True
         return self
 
@@ -124,7 +143,11 @@ class ModelContext:
         if self.schedule.state is TrainingState.PRE_BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
             self.finish_backward()
-        self.freeze_check.settle()  # a grad-enabled forward's check that no backward took
+        # A grad-enabled forward's check that no backward took; its agreement is still the
+        # next backward's prediction ([Note: hooked agreement] in schedule_lockstep.py).
+        anywhere = self.freeze_check.settle()
+        if anywhere is not None:
+            self.schedule.agree(anywhere)
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
@@ -136,18 +159,33 @@ class ModelContext:
         # reshard on some ranks only would gather on those alone.
         kept = [u for u in self.units if u.state is ShardedState.UNSHARDED]
         if kept:
-            stale = C.any_on_all([u.shards_changed_since_gather() for u in kept],
-                                 label="stale gathered parameters")
+            stale = C.max_over([int(u.shards_changed_since_gather()) for u in kept],
+                               self.groups, label="stale gathered parameters")
             for u, s in zip(kept, stale):
                 if s:
                     u.reshard()
         if torch.is_grad_enabled():
-            self.freeze_check.start()  # settled before the first reduction (ensure_backward)
+            self.freeze_check.start()  # issued at the first backward hook (ensure_backward)
         self.schedule.begin_forward()
 
+    def _settle_agreement(self) -> None:
+        """The schedule needs the agreement: before its first step in backward past the
+        forward's last points, so before any reduction, as the freeze check requires."""
+        try:
+            anywhere = self.freeze_check.settle()
+        except RuntimeError:
+            # Every rank raises here, at the same place: nothing of this backward may run
+            # later (the next forward would finish it, reducing with the layouts that differ).
+            self.reset_iter_state()
+            raise
+        self.schedule.agree(anywhere)  # None: nothing in flight, this rank's flags decide
+
     def ensure_backward(self) -> None:
-        """Every backward hook calls this: the first one queues the final callback."""
-        self.freeze_check.settle()  # before any reduction: ranks that disagree raise here
+        """Every backward hook calls this: the first one issues the freeze check, carrying
+        which units this rank hooked in the forward ([Note: hooked agreement] in
+        schedule_lockstep.py; the schedule waits for it, `_settle_agreement`), and queues
+        the final callback."""
+        self.freeze_check.issue(self.schedule.hooked)  # (a no-op once issued)
         self.schedule.state = TrainingState.PRE_BACKWARD
         if not self._final_queued:
             self._final_queued = True
@@ -181,7 +219,16 @@ class ModelContext:
             u.training_state = TrainingState.IDLE
         sched.state = TrainingState.IDLE
         sched.order_now = []
+        # The recorded points are abandoned: a final callback must not run them.
+        sched.reached, sched.touched = 0, False
         self._final_queued = False
+
+
+def _checkpoint_region() -> int | None:
+    """Which activation-checkpointed region forward is in, as the saved-tensor hooks that
+    torch.utils.checkpoint installs for it tell (None: none) ([Note: recompute])."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if hooks is None else id(hooks[0])
 
 
 def _named_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -192,7 +239,7 @@ def _named_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
             for n, m in top.named_modules()]
 
 
-def _check_same_layout(units: list[Unit]) -> None:
+def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
     """Every rank must shard the same model the same way, or collectives would mismatch.
 
     One small all-reduce at the first forward turns a diverging rank (another model, other
@@ -204,7 +251,8 @@ def _check_same_layout(units: list[Unit]) -> None:
         for u in units
     )
     fingerprint = zlib.crc32(desc.encode()) & 0x7FFFFFFF
-    if not C.same_on_all(fingerprint, label="layout check"):
+    hi, neg_lo = C.max_over([fingerprint, -fingerprint], groups, label="layout check")
+    if (hi, -neg_lo) != (fingerprint, fingerprint):
         raise RuntimeError(
             f"rank {C.rank()}: ranks disagree on the sharded model ({len(units)} units here, "
             f"layout fingerprint {fingerprint}); every rank must build the same model and call "

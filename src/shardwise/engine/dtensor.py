@@ -13,10 +13,11 @@ Kept plain, deliberately (the tensor *is* the whole parameter on every rank, so 
 already give the unsharded answer on it): parameters of a shard group of one rank (NO_SHARD,
 a one-rank world). A 0-d parameter (FSDP2 refuses them) is one row held by shard rank 0
 ([Note: layout]), and a scalar cannot be `Shard(0)`: its face is a `Shard(0)` DTensor of
-global shape (1,), so torch's tools (state dicts, DCP, `clip_grad_norm_`) see its value
-once, where it lives. A plain face there made them read the other ranks' empty rows as
-copies of the parameter (DCP stored it empty). `sw.full_state_dict` and shardwise's own
-checkpoints give it back with shape ().
+global shape (1,) (under TP, on the (dp, tp) mesh), so torch's tools (state dicts, DCP,
+`clip_grad_norm_`) see its value once, where it lives; a plain 0-d value loaded into it
+becomes this rank's row (sd_hooks.py). A plain face there made them read the other ranks'
+empty rows as copies of the parameter (DCP stored it empty). `sw.full_state_dict` and
+shardwise's own checkpoints give it back with shape ().
 """
 
 from __future__ import annotations
@@ -82,3 +83,9 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 def is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
+
+
+def uses_all_gather_extension(t: torch.Tensor) -> bool:
+    """Whether `t` or its local tensor carries FSDP2's all-gather extension
+    (`fsdp_pre_all_gather`), which shardwise does not run."""
+    return any(hasattr(x, "fsdp_pre_all_gather") for x in (t, local_of(t)))

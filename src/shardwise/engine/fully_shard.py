@@ -285,6 +285,16 @@ def _check_plain(ref: ParamRef, t: torch.Tensor, tp: TPContext | None) -> None:
             f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
             f"{t.device_mesh}); shardwise shards plain parameters and TP "  # type: ignore[attr-defined]
             "DTensors from parallelize_module (see docs/parallelism.md)")
+    if DT.uses_all_gather_extension(t) or (
+            not DT.is_dtensor(t)
+            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+        # The shards are plain tensors copied out of it: a subclass's other data (TwoTensor's
+        # second tensor) and FSDP2's all-gather hooks (float8 / bf16 gathers) would be
+        # dropped without a word, and training would give other numbers than FSDP2.
+        raise NotImplementedError(
+            f"{ref.fqn} is a {type(t).__name__}: shardwise shards plain tensors only; tensor "
+            "subclass parameters and FSDP2's all-gather extensions (fsdp_pre_all_gather / "
+            "fsdp_post_all_gather) are not supported")
 
 
 def _rehome(rehome: _Rehome) -> list[ShardedParam]:

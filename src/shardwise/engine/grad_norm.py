@@ -20,7 +20,8 @@ def clip_grad_norm_(
     The norm is over the whole model, each parameter counted once: shards are reduced
     across the shard group (they are disjoint), never across replicas (they are copies).
     Every rank returns the same value. Parameters that no unit owns (ignored parameters)
-    are the same on every rank and are counted locally.
+    are the same on every rank and are counted locally. Only the units' own groups take
+    part, never the world: on a model sharded on a subgroup, call it on the model's ranks.
     """
     check_module("model", model)
     # inf is a real use: the trainer asks for the norm only, with no clipping.

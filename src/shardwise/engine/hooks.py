@@ -31,6 +31,7 @@ from torch import nn
 
 from .context import ModelContext
 from .events import now
+from .schedule import TrainingState
 from .traverse import map_tensors, tensors_in
 from .unit import Unit
 
@@ -105,8 +106,9 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     if ctx.in_backward:
         # Activation checkpointing re-runs forward inside backward: the unit is needed
         # unsharded (with the same input casts as the first time), and nothing about the
-        # step's order or resharding may change.
-        unit.wait_unshard()
+        # step's order or resharding may change. Not a bare wait_unshard: members of a
+        # group gather in lockstep ([Note: recompute] in schedule.py).
+        ctx.schedule.recompute(unit)
         return _cast((args, kwargs), cast_to)
     if unit.is_root:
         ctx.begin_forward()
@@ -130,8 +132,11 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         return _cast(output, out_dtype)
     if ctx.sinks:
         unit._emit("forward", "", 0, unit.t_compute)
-    needs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
-    token = ctx.schedule.post_forward(unit, hooked=bool(needs))
+    grad = torch.is_grad_enabled()
+    needs = [t for t in tensors_in(output) if t.requires_grad] if grad else []
+    # The point is recorded hooked or not: the ranks agree whether any hooked it, so that it
+    # runs on all or none ([Note: hooked agreement] in schedule_lockstep.py).
+    token = ctx.schedule.post_forward(unit, hooked=bool(needs), grad=grad)
     if needs:
         hook = _make_pre_backward(ctx, unit, token)  # one closure per call, not per output
         for t in needs:
@@ -139,8 +144,30 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
     # Each unit's own policy: a block may hand fp32 to the next one while computing in bf16.
     output = _cast(output, out_dtype)
     if unit.is_root:
-        ctx.schedule.end_forward(backward_follows=torch.is_grad_enabled())
+        ctx.schedule.end_forward(backward_follows=grad)
     return output
+
+
+def _holder_pre_hook(ctx: ModelContext, groups: tuple[int, ...], module: nn.Module,
+                     args: Any) -> None:
+    if ctx.schedule.state is not TrainingState.IDLE:  # forward, or a recomputation
+        ctx.schedule.open_groups(groups)
+
+
+def _holder_post_hook(ctx: ModelContext, groups: tuple[int, ...], module: nn.Module,
+                      args: Any, output: Any) -> None:
+    if ctx.schedule.state is not TrainingState.IDLE:
+        ctx.schedule.close_groups(groups)
+
+
+def hook_holders(ctx: ModelContext) -> None:
+    """The holders of groups (an MoE block holding per-expert units; never a unit) begin and
+    end the groups' rounds with their forward ([Note: lockstep] in schedule.py)."""
+    for module, groups in ctx.schedule.groups.holders:
+        module.register_forward_pre_hook(
+            _not_traced(functools.partial(_holder_pre_hook, ctx, groups)))
+        module.register_forward_hook(
+            _not_traced(functools.partial(_holder_post_hook, ctx, groups)))
 
 
 def _make_pre_backward(ctx: ModelContext, unit: Unit, token: Any):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .checks import check_int, check_module
-from .comm import collectives as C
 from .inspect import sharded_params, units_of
+from .model_group import ModelGroup
 
 
 def materialize(
@@ -37,8 +37,12 @@ def materialize(
     Each shard rank draws from its own random stream (seed + shard rank); replicas share
     it. (DTensor random ops on an accelerator mesh draw through DTensor's own generator,
     which gives every shard its part of one draw.)
-    Without `seed`, rank 0 draws one and every rank uses it (ranks seeded differently, as
-    `torch.manual_seed(base + rank)` does, must still start replicas identical).
+    Without `seed`, the model's first rank (rank 0 when the model runs on every rank) draws
+    one and every rank of the model uses it (ranks seeded differently, as
+    `torch.manual_seed(base + rank)` does, must still start replicas identical); buffers and
+    ignored parameters take the first rank's values. Both go over the model's ranks only
+    ([Note: model ranks] in model_group.py): ranks outside a subgroup model may do anything
+    meanwhile.
     peft LoRA layers re-run their own adapter init after the pass ([Note: LoRA init]): B
     starts at zero whatever `init_fn` did to it, so an adapted model starts as its base.
     Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
@@ -77,9 +81,10 @@ def materialize(
                 m._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
                 replicated.append((m._parameters, name))
+    group = ModelGroup.of_units(units)
     if seed is None:
         drawn = torch.tensor([int(torch.randint(0, 2**31 - 1, ()).item())], dtype=torch.int64)
-        seed = int(C.broadcast(drawn.to(device), 0, label="materialize seed").item())
+        seed = int(group.broadcast(drawn.to(device), label="materialize seed").item())
     base = seed
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         # Seeded by shard rank: shards are independent draws, while replicas of the same
@@ -100,11 +105,11 @@ def materialize(
                         m.reset_parameters()
                 _reset_adapters(model)
     # Buffers and ignored parameters are replicated, not sharded, but their initializers
-    # drew from each shard rank's own stream: rank 0's values are everyone's.
-    if C.world_size() > 1:
+    # drew from each shard rank's own stream: the first rank's values are everyone's.
+    if group.size > 1:
         for coll, name in replicated:
             if coll.get(name) is not None:
-                C.broadcast(coll[name].data, 0, label=f"materialize {name}")
+                group.broadcast(coll[name].data, label=f"materialize {name}")
     unfilled = [k for k, (m, name) in fresh.items()
                 if m._buffers.get(name) is not None and _still_unfilled(m._buffers[name])]
     if unfilled:

@@ -6,7 +6,9 @@ shard) is HYBRID_SHARD. Each mesh chooses its transport once (transport.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -78,7 +80,15 @@ def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object
     """What shard_model's `sharding_strategy` makes of `mesh`: a MeshInfo, or the mesh."""
     world = C.world_size()
     if strategy is ShardingStrategy.NO_SHARD:
-        return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
+        if mesh is None:
+            return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
+        # The replicas are the mesh's ranks: ignoring it all-reduced over the world, which
+        # hung a model on a subgroup ([Note: model ranks] in model_group.py).
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            raise ValueError(f"NO_SHARD takes mesh=None (every rank) or a 1-D DeviceMesh of "
+                             f"the ranks that replicate the model, got {mesh!r}")
+        g = mesh.get_group()
+        return MeshInfo(None, 0, 1, g, C.world_size(g), default_device(), C.rank())
     if strategy is ShardingStrategy.HYBRID_SHARD:
         if mesh is not None:
             if getattr(mesh, "ndim", None) != 2:
@@ -97,3 +107,56 @@ def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object
     if mesh is not None and getattr(mesh, "ndim", None) == 2:
         raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
     return mesh
+
+
+def agreement_groups(units: Iterable[Any]) -> list[ProcessGroup | None]:
+    """The groups a model's engine-internal agreements run over ([Note: model group]).
+
+    [Note: model group] The checks that keep a model's ranks in step (the layout check, the
+    freeze check, the stale-gathered-parameter decision) must run over the ranks that run
+    the model and no others: over the world, a model sharded on a subgroup (a pipeline
+    stage's dp mesh, ranks {0, 1} of 3) waited for ranks that never run it, or met another
+    model's check there. The ranks are the union of the units' meshes (under TP the (dp, tp)
+    mesh; a group of None is the world). When they are the whole world this is [None], one
+    all-reduce as before; when one of the units' groups holds exactly them, that group; else
+    the groups of the mesh's dims in a fixed order (`collectives.max_over` reduces over each
+    in turn, which reaches every rank of a product mesh). [] when no other rank runs it.
+    """
+    ranks, groups = _span(units)
+    if ranks >= set(range(C.world_size())):
+        return [None]
+    exact = [g for g in groups if set(C.group_ranks(g)) == ranks]
+    return exact[:1] or list(groups)
+
+
+def model_ranks(units: Iterable[Any]) -> list[int]:
+    """The global ranks that run the model of `units`, ascending (its first rank first):
+    where model-level operations (checkpoints, full state dicts) send from or write on."""
+    ranks, _ = _span(units)
+    return sorted(ranks | {C.rank()})
+
+
+def _span(units: Iterable[Any]) -> tuple[set[int], list[ProcessGroup | None]]:
+    """(the global ranks of the units' meshes, the distinct groups of their dims); the
+    whole world and [None] as soon as one dim's group is the world."""
+    ranks: set[int] = set()
+    groups: list[ProcessGroup | None] = []
+    for u in units:
+        m: MeshInfo = u.mesh
+        tp = next((p.tp.ctx for p in u.params if p.tp is not None), None)
+        dmesh = tp.spmd_mesh if tp is not None else m.device_mesh
+        if dmesh is not None:
+            ranks.update(int(r) for r in dmesh.mesh.flatten().tolist())
+        dims = [(m.replicate_group, m.replicate_size), (m.shard_group, m.shard_size)]
+        if tp is not None:
+            dims.append((tp.tp_mesh.get_group(), tp.tp_size))
+        for g, n in dims:
+            if n <= 1:
+                continue
+            if g is None:
+                return set(range(C.world_size())), [None]  # a group of the whole world
+            if dmesh is None:
+                ranks.update(C.group_ranks(g))
+            if all(g is not h for h in groups):
+                groups.append(g)
+    return ranks, groups

@@ -15,6 +15,7 @@ from . import dtensor as DT
 from .checks import check_bool, check_int, check_module, check_number
 from .comm import collectives as C
 from .inspect import sharded_params, units_of
+from .model_group import ModelGroup
 from .policies import dtype_name
 
 
@@ -48,6 +49,10 @@ class ShardedGradScaler:
 
     Each rank sees only its shards, so an inf/nan may show up on one rank only; the found-inf
     flag is all-reduced (max) so every rank skips the same steps and the scale stays in step.
+    The all-reduce runs over the ranks of the model whose parameters the optimizer holds
+    ([Note: model ranks] in model_group.py): the world for a model on every rank (or an
+    optimizer of plain parameters), the model's subgroup otherwise, so ranks that run another
+    model (a pipeline's other stage) never join it.
     Methods follow torch.amp.GradScaler: scale(loss), unscale_(opt), step(opt), update().
     """
 
@@ -86,10 +91,12 @@ class ShardedGradScaler:
                     if not torch.isfinite(g).all():
                         local_inf = True
         flag = torch.tensor([1.0 if local_inf else 0.0])
-        if C.is_initialized() and C.world_size() > 1:
+        group = _model_group_of(optimizer)
+        if C.is_initialized() and group.size > 1:
             if C.backend() == "nccl":
                 flag = flag.cuda()
-            C.all_reduce(flag, None, op="max", label="ShardedGradScaler (found inf)")
+            for g in group.groups:  # [None] (one world all-reduce) unless on a subgroup
+                C.all_reduce(flag, g, op="max", label="ShardedGradScaler (found inf)")
         self._found_inf[id(optimizer)] = bool(flag.item() > 0)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -125,3 +132,15 @@ class ShardedGradScaler:
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale_value = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
+
+
+def _model_group_of(optimizer: torch.optim.Optimizer) -> ModelGroup:
+    """The ranks of the model(s) whose sharded parameters `optimizer` steps."""
+    units: dict[int, object] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            sp = getattr(p, "_sw_param", None)
+            owner = sp.owner if sp is not None else None
+            if owner is not None:
+                units.setdefault(id(owner), owner)
+    return ModelGroup.of_units(units.values())

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .checks import check_bool
 from .module_comm_api import CommMethods
+from .schedule import ShardedState
 
 # Imported at run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a
 # model's class (typing.get_type_hints), and a sharded module's class inherits these.
@@ -39,9 +40,12 @@ class UnshardHandle(TorchUnshardHandle):
         self._unit = unit
 
     def wait(self) -> None:
-        if self._unit is not None:
+        # Only a gather still in flight is waited for. Once a forward consumed it (and
+        # maybe resharded), waiting must not gather again: FSDP2's handle is then a no-op,
+        # and a re-gather would leave plain full parameters on the module after the step.
+        if self._unit is not None and self._unit.state is ShardedState.GATHERING:
             self._unit.wait_unshard()
-            self._unit = None
+        self._unit = None
 
 
 class FSDP2Methods(CommMethods, FSDPModule):

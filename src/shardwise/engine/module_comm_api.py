@@ -85,8 +85,9 @@ class CommMethods:
         """The root's next forward makes the current stream wait for `event` (recorded
         after the optimizer step) before gathering, then drops it. shardwise gathers on the
         current stream, which already follows the optimizer step; the event is waited on
-        so that work the user ordered behind it is respected too."""
-        if not hasattr(event, "wait") or not hasattr(event, "record"):
+        so that work the user ordered behind it is respected too. None clears it, as in
+        FSDP2: a CPU stream's `record_event()` returns None, so FSDP2's recipe runs there."""
+        if event is not None and (not hasattr(event, "wait") or not hasattr(event, "record")):
             raise ValueError(f"event={event!r} must be a torch.Event (or torch.cuda.Event)")
         ctx = self._sw_unit.ctx
         assert ctx is not None

@@ -27,8 +27,9 @@ from .events import Span, now
 from .pack import pack_grad, prescale
 
 if TYPE_CHECKING:
+    from .bucket import FlatBucket
     from .sharded_param import ShardedParam
-    from .unit import FlatBucket, Unit
+    from .unit import Unit
 
 
 @dataclass

@@ -24,23 +24,8 @@ backward, and the unit whose backward follows it is the last one forward ran. No
 prefetched that one, so its all-gather ran alone, exposed, while the root's own backward
 (the head and the loss) could have covered it: the root's pre-backward prefetches it.
 
-[Note: lockstep] Every rank must issue the same collectives in the same order, but what a
-rank's data does decides which units run (a mixture-of-experts rank that routes no token to
-an expert never calls it) and which get a gradient (an output unused by this rank's loss).
-Two rules make the collectives independent of the data:
-
-- Forward: the units that are the children of one `nn.ModuleList`/`ModuleDict` (a *group*,
-  engine/lockstep.py) run in container order. When a member is called, the members before it
-  that this rank skipped are *visited* first: gathered, resharded and recorded exactly as if
-  they had run on no input; the rest are visited when the group is left (a unit outside the
-  container starts, the unit holding the container ends its forward, or the forward ends).
-- Backward: the forward records where each unit's pre-backward (its outputs) and
-  post-backward (its inputs) would come, in order. Autograd runs nodes in reverse creation
-  order, so backward meets those points in exactly the reverse order, skipping the ones that
-  got no gradient on this rank. Reaching a point, the schedule first runs the skipped points
-  after it, and the final callback runs the rest: every rank gathers and reduces every unit
-  at the same place in the sequence; a unit with no gradient here reduces zeros flagged as
-  absent ([Note: unused gradients] in unit.py), so it reduces in lockstep.
+[Note: lockstep] and [Note: recompute]: the rules that keep every rank's collectives in step
+when each rank's data decides which units run are in schedule_lockstep.py.
 
 [Note: decision log] With `Schedule.log` set to a list, the schedule appends every decision
 it takes, in order, as (what, unit): "gather" (an all-gather issued), "wait" (a gather waited
@@ -56,11 +41,12 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from .lockstep import Groups
+from .schedule_lockstep import LockstepRules
 
 
 class ShardedState(enum.Enum):
@@ -131,7 +117,7 @@ class ScheduledUnit(Protocol):
 U = TypeVar("U", bound=ScheduledUnit)
 
 
-class Schedule(Generic[U]):
+class Schedule(LockstepRules[U], Generic[U]):
     """The decisions of one model's steps, over its units (`units[0]` need not be the root)."""
 
     def __init__(self, units: list[U], limits: Limits = DEFAULT_LIMITS,
@@ -162,10 +148,30 @@ class Schedule(Generic[U]):
         self.points: list[tuple[str, U]] = []
         self.reached = 0
         self.generation = 0
+        # Groups whose holder's forward began a round that no member has entered yet.
+        self.opened: set[int] = set()
+        # [Note: recompute]: the activation-checkpointed region each point was recorded in
+        # (None: outside any), and how the engine tells it (None: never in one).
+        self.regions: list[object] = []
+        self.region_of: Callable[[], object] | None = None
+        # The recomputation running (its own region) and the region it replays; the regions
+        # replayed in this backward.
+        self.replay: tuple[object, object] = (None, None)
+        self.replayed: set[object] = set()
         self.grad = False
         self.reduced: set[int] = set()
+        # Whether this backward reached a point the last forward recorded ([Note: lockstep]).
+        self.touched = False
+        # [Note: hooked agreement] (schedule_lockstep.py): the engine's way to learn which
+        # units some rank hooked (None: this rank's own suffice), and this forward's flags.
+        self.settle: Callable[[], None] | None = None
+        self._forget_hooked()
         # [Note: decision log] None: no log is kept (the engine's default; nothing is paid).
         self.log: list[tuple[str, U]] | None = None
+
+    @property
+    def in_backward(self) -> bool:
+        return self.state is TrainingState.PRE_BACKWARD
 
     # --- forward ------------------------------------------------------------------------
 
@@ -173,8 +179,12 @@ class Schedule(Generic[U]):
         self.state = TrainingState.FORWARD
         self.order_now = []
         self.cursor = [-1] * len(self.groups.members)
+        self.opened = set()
         self.points = []
+        self.regions = []
+        self.replay, self.replayed = (None, None), set()
         self.generation += 1
+        self._forget_hooked()
 
     def pre_forward(self, unit: U, grad: bool = False) -> tuple[int, int] | None:
         """`unit` is about to compute: its parameters must be there; the next one's may come.
@@ -201,58 +211,32 @@ class Schedule(Generic[U]):
         if not grad:
             return None
         self.points.append((kind, unit))
+        self.regions.append(self.region_of() if self.region_of is not None else None)
         return (self.generation, len(self.points) - 1)
 
-    def post_forward(self, unit: U, hooked: bool = False) -> tuple[int, int] | None:
-        """`unit`'s forward is over. `hooked`: its outputs carry pre-backward hooks; returns
-        the token of that pre-backward point."""
+    def post_forward(self, unit: U, hooked: bool = False,
+                     grad: bool | None = None) -> tuple[int, int] | None:
+        """`unit`'s forward is over. `hooked`: its outputs carry pre-backward hooks; `grad`
+        (default: `hooked`): a backward may follow, so its pre-backward point is recorded,
+        hooked or not ([Note: hooked agreement]). Returns the token of that point."""
         for g in self.groups.closes.get(id(unit), ()):
             self._close(g)
-        return self._post_forward(unit, hooked)
+        return self._post_forward(unit, hooked, hooked if grad is None else grad)
 
-    def _post_forward(self, unit: U, hooked: bool) -> tuple[int, int] | None:
+    def _post_forward(self, unit: U, hooked: bool, grad: bool) -> tuple[int, int] | None:
         if unit.reshards_after_forward:
             self._reshard(unit)
         unit.training_state = TrainingState.IDLE
-        return self._point("pre", unit, hooked)
-
-    # --- groups ([Note: lockstep]) ------------------------------------------------------
-
-    def _enter_groups(self, unit: U) -> None:
-        if not self.cursor:
-            return
-        inside = self.groups.inside.get(id(unit), frozenset())
-        for g, at in enumerate(self.cursor):
-            if at >= 0 and g not in inside:
-                self._close(g)  # left the group's container: visit the members it skipped
-        member = self.groups.member_of.get(id(unit))
-        if member is None:
-            return
-        g, k = member
-        if k <= self.cursor[g]:
-            self._close(g)  # the container runs again (a second call): a new round
-        for j in range(self.cursor[g] + 1, k):
-            self._visit(self.groups.members[g][j])
-        self.cursor[g] = k
-
-    def _close(self, g: int) -> None:
-        if self.cursor[g] < 0:
-            return  # not entered in this round
-        members = self.groups.members[g]
-        for j in range(self.cursor[g] + 1, len(members)):
-            self._visit(members[j])
-        self.cursor[g] = -1
-
-    def _visit(self, unit: U) -> None:
-        """What a member this rank skipped does on the others: gather, reshard, record."""
-        self._pre_forward(unit)
-        self._post_forward(unit, hooked=self.grad)
+        return self._pre_point(unit, hooked, grad)
 
     def end_forward(self, backward_follows: bool) -> None:
         """The root's forward is over. Without a backward to come nothing stays gathered."""
         for g in range(len(self.cursor)):
             self._close(g)
+        self.opened = set()
         self.reached = len(self.points)
+        self._end_hooked()
+        self.touched = False
         self.reduced = set()
         self.backward_started = False
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:
@@ -270,6 +254,8 @@ class Schedule(Generic[U]):
     def pre_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
         """`unit`'s backward is about to run (once per gradient reaching its outputs)."""
         self._reach(token, "pre", unit)
+        if not self._early(token):
+            self._agreed()  # only the forward's last points run before ([Note: hooked agreement])
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: U) -> None:
@@ -282,12 +268,13 @@ class Schedule(Generic[U]):
             return
         i = self._index.get(id(unit))
         if i is not None and i > 0:
-            nxt = self.order[i - 1]  # backward runs the forward order in reverse
+            nxt = self._needed_from(i - 1, 0)  # backward runs the forward order in reverse
         elif i == 0 and first and unit.is_root and len(self.order) > 1:
-            nxt = self.order[-1]  # [Note: backward prefetch of the first block]
+            # [Note: backward prefetch of the first block]
+            nxt = self._needed_from(len(self.order) - 1, 1)
         else:
             return
-        if _unshards_in_backward(nxt):
+        if nxt is not None and _unshards_in_backward(nxt):
             self._prefetch(nxt)
 
     def post_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
@@ -296,6 +283,7 @@ class Schedule(Generic[U]):
         self._post_backward(unit)
 
     def _post_backward(self, unit: U) -> None:
+        self._agreed()  # the freeze check, before any reduction ([Note: hooked agreement])
         self.reduced.add(id(unit))
         unit.training_state = TrainingState.POST_BACKWARD
         reductions = unit.reduce_grads()
@@ -312,7 +300,12 @@ class Schedule(Generic[U]):
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
         that need no gradient), wait for every reduction, reshard everything."""
-        self._reach_point(-1)
+        if self.touched:
+            # Only a backward through the recorded forward runs the points it skipped. One
+            # through a unit called on its own since (a chunked loss's head) must leave them
+            # to the forward's own backward: run here, they were spent, and that backward
+            # then dropped the gradient of a unit it reached again (a tied embedding).
+            self._reach_point(-1)
         # Units no recorded point covers (a forward outside grad mode, a recomputation):
         # reverse forward order is the order their post-backward would have run.
         seen = {id(u) for u in self.order}
@@ -331,25 +324,12 @@ class Schedule(Generic[U]):
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
         self.reduced = set()  # a second backward of the same graph starts afresh
+        # Rounds a recomputation left open ([Note: recompute]) end with the backward.
+        self.cursor = [-1] * len(self.cursor)
+        self.opened = set()
+        self.replay, self.replayed = (None, None), set()
+        self.touched = False
         self.backward_started = False
-
-    def _reach(self, token: tuple[int, int] | None, kind: str, unit: U) -> None:
-        """Backward reached a recorded point: first run the later points it skipped."""
-        if token is None or token[0] != self.generation:
-            return  # a forward before the last one, or not recorded: act on it alone
-        pos = token[1]
-        if pos < self.reached and self.points[pos] == (kind, unit):
-            self._reach_point(pos)
-
-    def _reach_point(self, pos: int) -> None:
-        while self.reached - 1 > pos:
-            self.reached -= 1
-            kind, u = self.points[self.reached]
-            if kind == "pre":
-                self._pre_backward(u)
-            else:
-                self._post_backward(u)
-        self.reached = max(pos, 0)
 
     # --- prefetch -----------------------------------------------------------------------
 

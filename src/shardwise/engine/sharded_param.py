@@ -40,6 +40,10 @@ class ParamRef:
 
 
 class ShardedParam:
+    # Counts `_build` calls: views cached of a parameter's buffers (FlatBucket.parts_plan)
+    # are remade when it changes (materialize replaces the buffers).
+    builds = 0
+
     def __init__(
         self,
         param: nn.Parameter,
@@ -84,7 +88,9 @@ class ShardedParam:
                                  else torch.Size([1]), self.orig_dtype)
                      if device_mesh is not None and (param.dim() > 0 or self.tp is None)
                      else None)
-        if self.tp is not None and param.dim() > 0:
+        if self.tp is not None:
+            # On the (dp, tp) mesh; a 0-d parameter as (1,) here too (a plain face under TP
+            # read as whole on every rank: the empty rows were taken for the value).
             self.spec = self.tp.sharded_spec(self.orig_dtype)
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
@@ -118,6 +124,7 @@ class ShardedParam:
 
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
+        ShardedParam.builds += 1
         self._padded_shard = padded
         old = getattr(self, "sharded", None)
         if old is not None:
@@ -161,6 +168,12 @@ class ShardedParam:
                 requires_grad=self.requires_grad,
             )
             self.unsharded._sw_param = self  # type: ignore[attr-defined]
+        # Kept, not remade per gather: views of a tensor follow its storage through
+        # `resize_`, and the storage object is the same one each time.
+        self._storage = None if meta else self._full_padded.untyped_storage()
+        self._nbytes = self._full_padded.numel() * self._full_padded.element_size()
+        self._rows = self._full_padded.data.view(self.shard_size, self.chunk_numel)
+        if not self.direct:
             self.free_unsharded()
         for ref in self.refs:
             ref.module._parameters[ref.name] = self.sharded
@@ -273,23 +286,22 @@ class ShardedParam:
     # --- unsharded storage: exists only between unshard and reshard -----------------
 
     def alloc_unsharded(self) -> None:
-        if self.direct:
+        storage = self._storage
+        if self.direct or storage is None:
             return
-        storage = self._full_padded.untyped_storage()
-        nbytes = self._full_padded.numel() * self._full_padded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        if storage.size() != self._nbytes:
+            storage.resize_(self._nbytes)
 
     def free_unsharded(self) -> None:
-        if self.direct or self._full_padded.is_meta:
+        storage = self._storage
+        if self.direct or storage is None:
             return
-        storage = self._full_padded.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)
 
     def unsharded_rows_view(self) -> torch.Tensor:
         """(S, C * row_numel) view of the unsharded buffer: row r is rank r's chunk."""
-        return self._full_padded.data.view(self.shard_size, self.chunk_numel)
+        return self._rows
 
     # --- materialization (meta -> real) ------------------------------------------------
 

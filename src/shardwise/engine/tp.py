@@ -183,8 +183,8 @@ class TPParam:
         """The sharded parameter's spec on the (dp, tp) mesh, global shape."""
         tp_pl = self.tp_spec.placements if self.tp_spec is not None else (Replicate(),)
         placements = (*self.ctx.dp_placements(self.shard_dim == 0), *tp_pl)
-        meta = TensorMeta(torch.Size(self.global_shape), contiguous_stride(self.global_shape),
-                          dtype)
+        shape = self.global_shape or (1,)  # a 0-d parameter is one row ([Note: layout])
+        meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype)
         return DTensorSpec(self.ctx.spmd_mesh, placements, tensor_meta=meta)
 
     def compute_face(self, local_full: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ the step schedule (schedule.py). How bytes move is the mesh's transport (transpo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,8 +19,9 @@ if TYPE_CHECKING:
     from .context import ModelContext
     from .state import ShardwiseState
 
+from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
-from .comm.transport import Transport, gathers_in_parts, own_message
+from .comm.transport import Transport, gathers_in_parts
 from .comm.work import Work
 from .events import Event, Span, now
 from .mesh import MeshInfo
@@ -29,49 +29,6 @@ from .policies import MixedPrecisionPolicy
 from .reduce import PendingReduce, finish_reduce, reduce_bucket
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
-
-
-@dataclass
-class FlatBucket:
-    """Parameters of a unit that share a communication dtype, and their flat layout."""
-
-    dtype: torch.dtype
-    params: list[ShardedParam]
-    offsets: list[int] = field(default_factory=list)  # into one rank's all-gather chunk
-    numel: int = 0  # one rank's chunk
-    grad_params: list[ShardedParam] = field(default_factory=list)
-    grad_offsets: list[int] = field(default_factory=list)
-    grad_numel: int = 0
-    sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
-    # Moving in parts ([Note: parameter messages]): the parameters too small for a message
-    # of their own, packed together, and the chunk numel of that pack.
-    small: list[ShardedParam] = field(default_factory=list)
-    small_numel: int = 0
-
-    def __post_init__(self) -> None:
-        for p in self.params:
-            self.sizes.append(p.chunk_numel)
-            self.offsets.append(self.numel)
-            self.numel += p.chunk_numel
-            if p.requires_grad:
-                self.grad_params.append(p)
-                self.grad_offsets.append(self.grad_numel)
-                self.grad_numel += p.chunk_numel
-            if p.chunk_numel and not own_message(p.chunk_numel, self.dtype.itemsize):
-                self.small.append(p)
-                self.small_numel += p.chunk_numel
-
-
-@dataclass
-class _PendingGather:
-    bucket: FlatBucket
-    send: torch.Tensor | None  # None: a view of `out` ([Note: pair transport])
-    # The rank-major output; in parts ([Note: parameter messages]) only the small pack.
-    out: torch.Tensor | None
-    work: Work
-    start: float
-    blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
-    parts: bool = False
 
 
 class Unit:
@@ -105,6 +62,8 @@ class Unit:
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
+        # A backward inside no_sync() kept gradients here that no reduction took since.
+        self.unsynced = False
         # False: keep the full parameters after backward (set_reshard_after_backward).
         self.reshard_after_backward = True
         # Reduced gradients are divided by this (None: the data-parallel size, a mean).
@@ -117,7 +76,7 @@ class Unit:
         # How bytes move: the mesh's, or user collectives (set_custom_all_gather).
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
-        self._gathers: list[_PendingGather] = []
+        self._gathers: list[PendingGather] = []
         # Gathers in parts whose receives are done while the peer may still read what this
         # rank sent (its rows of the unsharded parameters, the small pack): released before
         # the reshard frees them ([Note: one-copy release] in comm/one_copy.py).
@@ -169,8 +128,15 @@ class Unit:
             self.set_params(self.params)
 
     def has_unreduced_grads(self) -> bool:
-        """Whether a gradient waits for a reduction (a pure question: nothing moves)."""
-        return any(p.has_local_grad() for g in self.buckets for p in g.grad_params)
+        """Whether a gradient waits for a reduction (a pure question: nothing moves).
+
+        Under no_sync, decided alike on every rank: a backward ran for this unit (at the
+        same point everywhere, [Note: lockstep]) that kept its gradients. Whether this rank
+        holds any is its data's business: a unit that the last micro-batch did not call, but
+        an earlier one used on some ranks only, must still reduce on all of them.
+        """
+        return self.unsynced or any(p.has_local_grad() for g in self.buckets
+                                    for p in g.grad_params)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -226,7 +192,7 @@ class Unit:
             with Span() as call:
                 work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
-            self._gathers.append(_PendingGather(
+            self._gathers.append(PendingGather(
                 g, None if transport.gather_in_place else send, out, work, start,
                 0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
@@ -236,23 +202,19 @@ class Unit:
         unsharded buffer and is sent from there; the peer's chunk arrives in place."""
         start = now()
         me, peer = self.transport.me, self.transport.peer  # type: ignore[attr-defined]
-        rows = []
         for p in g.params:
             p.alloc_unsharded()
-            rows.append(p.unsharded_rows_view())  # (2, chunk): row r is rank r's chunk
+        # (Made with the storage there: a view is checked against its size when made.)
+        plan = g.parts_plan(me, peer)  # (2, chunk) per parameter: row r is rank r's chunk
         with torch.no_grad():
-            torch._foreach_copy_([r[me] for r in rows],
-                                 [p.padded_shard.reshape(-1) for p in g.params],
-                                 non_blocking=True)
-        small = {id(p) for p in g.small}
-        mine = [r[me] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
-        theirs = [r[peer] for p, r in zip(g.params, rows) if r.shape[1] and id(p) not in small]
+            torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
+        mine, theirs = list(plan.mine), list(plan.theirs)
         pack = None
         if g.small:
             # The small ones: this rank's chunks side by side, one message each way.
             pack = self.pool.get(2 * g.small_numel, g.dtype, self.mesh.device)
             both = pack.view(2, g.small_numel)
-            torch.cat([r[me] for p, r in zip(g.params, rows) if id(p) in small], out=both[me])
+            torch.cat(plan.small_mine, out=both[me])
             mine.append(both[me])
             theirs.append(both[peer])
             self.copied["gather_out"] += pack.numel() * pack.element_size()
@@ -261,7 +223,7 @@ class Unit:
             work = self.transport.exchange_parts(  # type: ignore[attr-defined]
                 mine, theirs, "all_gather", self.label, self._nothing(g.dtype),
                 async_op=async_op)
-        self._gathers.append(_PendingGather(g, None, pack, work, start,
+        self._gathers.append(PendingGather(g, None, pack, work, start,
                                             0.0 if async_op else call.seconds, parts=True))
 
     def _nothing(self, dtype: torch.dtype) -> torch.Tensor:
@@ -269,10 +231,10 @@ class Unit:
 
     def _unpack_small(self, g: FlatBucket, pack: torch.Tensor) -> None:
         """The peer's small chunks, from the pack into their unsharded buffers."""
-        peer = self.transport.peer  # type: ignore[attr-defined]
+        me, peer = self.transport.me, self.transport.peer  # type: ignore[attr-defined]
         theirs = pack.view(2, g.small_numel)[peer]
         torch.split_with_sizes_copy(theirs, [p.chunk_numel for p in g.small],
-                                    out=[p.unsharded_rows_view()[peer] for p in g.small])
+                                    out=g.parts_plan(me, peer).small_theirs)
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
@@ -377,6 +339,8 @@ class Unit:
         """
         if self.ctx is not None and self.ctx.sinks:
             self._emit("backward", "", 0, self.t_compute)
+        # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
+        self.unsynced = not self.requires_grad_sync
         if self.requires_grad_sync:
             return self._reduce_grads()
         self._accumulate_unsynced()

@@ -7,8 +7,10 @@
     print(t.report.table())                   # the CLI prints; the library only returns
 
 Every rank writes `trace_rank{r}.json`; rank 0 also writes the merged `trace.json` (one
-process per rank) and `overlap.json`. Files are Chrome trace-event JSON: complete events
-("ph": "X") with microsecond `ts`/`dur`, opened by https://ui.perfetto.dev.
+process per rank) and `overlap.json`. On a model sharded on a subgroup, its ranks take part
+and its first rank writes the merged files ([Note: model ranks] in engine/model_group.py).
+Files are Chrome trace-event JSON: complete events ("ph": "X") with microsecond
+`ts`/`dur`, opened by https://ui.perfetto.dev.
 
 Clocks: `perf_counter` has an arbitrary origin in every process. Each rank's times are made
 relative to its own trace start, taken right after a collective that every rank leaves at
@@ -27,6 +29,7 @@ from torch import nn
 
 from ..engine.comm import collectives as C
 from ..engine.events import COLLECTIVES, Event, now
+from ..engine.model_group import model_group
 from .overlap import OverlapReport, StepOverlap, overlap_rows, step_windows
 from .sinks import attach_sink, detach_sink, set_step
 
@@ -125,13 +128,17 @@ class Trace:
 
     Use `sw.trace(directory, model)`; or `start()` / `step(n)` / `stop()` by hand (the
     trainer does). `directory` must be missing or empty on every rank: a trace never
-    overwrites files. Collective calls: `start()` and `stop()` must run on every rank.
+    overwrites files. Collective calls: `start()` and `stop()` must run on every rank of
+    the model (on a subgroup, no other rank).
     """
 
     def __init__(self, directory: str | Path, model: nn.Module) -> None:
         self.dir = Path(directory).expanduser()
         self.model = model
         self.rank = C.rank() if C.is_initialized() else 0
+        # The ranks the collectives of start() and stop() run over, and the merged file's
+        # writer: the model's (the world unless it is sharded on a subgroup).
+        self.group = model_group(model)
         self.events: list[Event] = []
         # Step start times from `step(n)`: they make each step's wall time end-to-end.
         self.marks: dict[int, float] = {}
@@ -151,7 +158,7 @@ class Trace:
 
     @property
     def merged_path(self) -> Path:
-        """The merged trace (written by rank 0)."""
+        """The merged trace (written by the model's first rank: rank 0 on every rank)."""
         return self.dir / "trace.json"
 
     @property
@@ -162,7 +169,7 @@ class Trace:
         """Check the directory on every rank, then attach (collective)."""
         clash = self.dir.exists() and (not self.dir.is_dir() or any(self.dir.iterdir()))
         # Agreed on by all ranks, so a clash on one rank raises on all instead of a hang.
-        if not C.agree(not clash, label="trace.start"):
+        if not self.group.agree(not clash, label="trace.start"):
             where = "" if clash else " on another rank"
             raise ValueError(f"trace directory {str(self.dir)!r}{where} is not empty (or is a "
                              "file): traces never overwrite files; pass a new or empty one")
@@ -192,11 +199,11 @@ class Trace:
         mine = chrome_events(self.events, rows, self.rank, self.t0, windows)
         _write_json(self.rank_path, trace_document(mine))
         # Raw JSON bytes through the byte collectives: no pickle crosses ranks.
-        all_rows = [json.loads(b) for b in C.all_gather_bytes(
+        all_rows = [json.loads(b) for b in self.group.all_gather_bytes(
             json.dumps([r.to_dict() for r in rows]).encode())]
         report = OverlapReport([StepOverlap.from_dict(d) for rank in all_rows for d in rank])
-        traces = C.gather_bytes(json.dumps(mine).encode(), dst=0)
-        if self.rank == 0:
+        traces = self.group.gather_bytes(json.dumps(mine).encode())
+        if self.group.is_first:
             merged = [ev for b in traces for ev in json.loads(b)]
             _write_json(self.merged_path, trace_document(merged))
             _write_json(self.overlap_path, report.to_dict())

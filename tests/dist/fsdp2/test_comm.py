@@ -18,6 +18,8 @@ test_unshard_async and the async handle of test_unshard_no_param_group (unshard(
 _test_backward_prefetch_multi_forward (FSDP2 reduce-scatters once per forward; its event
 list is FSDP2-internal; the same pattern's numbers are covered by
 double_forward_with_nested_fsdp_and_checkpoint).
+Since ported, numbers only (FSDP2's event orders are its internal schedule): test_unshard_async
+in test_training_api.py, test_fully_shard_multi_module_unused_module in test_grouped.py.
 Left out, other reasons: TestFullyShardCollectiveOps, TestFullyShardChunkCatMixedDtype
 (FSDP2-internal collectives and kernels); TestFullyShardAllocFromPG, TestFullyShardSymmMem,
 TestFullyShardForceSumReduction (NCCL/CUDA only).

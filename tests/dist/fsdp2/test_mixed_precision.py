@@ -2,8 +2,9 @@
 only; on CPU/gloo the same numerics apply (bf16/fp16 compute on CPU, gloo moves the bytes).
 
 Left out, needs issue 14 (DTensor/FSDP2 API): reshard_after_forward=2 and
-use_shard_placement_fn axes (shard_placement_fn); set_reshard_after_backward of
-test_grad_acc_with_reduce_dtype; test_no_warmup_jvp_reshard_after_forward_false (meta-device
+use_shard_placement_fn axes (shard_placement_fn); (set_reshard_after_backward of
+test_grad_acc_with_reduce_dtype: ported in test_grad_acc.py);
+test_no_warmup_jvp_reshard_after_forward_false (meta-device
 init through module.to_empty on DTensor parameters, torch.func.jvp); the ungrouped form of
 test_grouped_module_cast_forward_inputs is ported in test_training.py.
 """

@@ -6,25 +6,18 @@ backward (docs/design.md), which is FSDP2's default (`reshard_after_forward=None
 root); expected all-gather counts follow that. Tied parameters sharded by separate calls are
 re-homed to the common parent instead of raising (FSDP2: "already managed by another").
 
-Left out, needs issue 14 (DTensor/FSDP2 API): test_train_parity_single_group_shard_largest_dim,
-TestFullyShardShardPlacementFn* (shard_placement_fn); reshard_after_forward=2/None in every
-grid (int/None values); test_train_parity_multi_group_unshard_async_op and the
-unshard_async_op axis (_set_unshard_async_op); test_explicit_prefetching
-(set_modules_to_forward/backward_prefetch); test_partial_group_reshard_toggle
-(set_reshard_after_forward/backward); test_reset_iter_state_after_exception (reset_iter_state);
-test_register_fsdp_forward_method (register_fsdp_forward_method); module_grouping mem_eff /
-mem_eff_weight_tied, test_grouped_module_cast_forward_inputs (grouped form),
-test_shared_params_separate_fsdp_groups_error's grouped counterpart and the grouped-vs-
-ungrouped comparisons (fully_shard on a list of modules); set_is_last_backward and
-set_reshard_after_backward axes of test_gradient_accumulation / test_1f1b_microbatching /
-test_partial_group_forward_grad_accum_chunked; test_modules_to_run_forward_empty_for_single_module
-(FSDP2 internal state); the chunked-head case with tied weights (needs the grouped form).
-Left out, other reasons: delay_* axes and test_post_optim_event, TestFullyShardShareCommContext,
-TestFullyShardCudaGraph (CUDA streams/sleep kernels); TestFullyShardNDTraining,
-TestFullyShardHSDP3DTraining, TestFullyShardHSDPTraining and the HSDP mesh of
-test_gradient_accumulation (2-D/TP meshes); pin_memory=True offload (needs an accelerator);
-test_shared_params_separate_fsdp_groups_error (shardwise re-homes instead: covered by
-train_shared_params_uneven_shard[units=separate]).
+Ported in their own files since: the gradient accumulation axes (set_is_last_backward,
+set_reshard_after_backward, int reshard_after_forward, HSDP meshes, async explicit unshards)
+in test_grad_acc.py; explicit prefetching, the post-optimizer event, unshard_async_op,
+test_partial_group_reshard_toggle, test_reset_iter_state_after_exception,
+test_register_fsdp_forward_method, test_share_comm_context and shard_placement_fn (refused
+for dims other than 0) in test_training_api.py; the grouped (list-form) scenarios, tied
+chunked heads included, in test_grouped.py; TestFullyShardHSDPTraining in test_hsdp.py.
+Left out: test_modules_to_run_forward_empty_for_single_module (FSDP2 internal state); the
+delay_* axes and TestFullyShardCudaGraph (CUDA streams/sleep kernels);
+TestFullyShardNDTraining and TestFullyShardHSDP3DTraining (3-D meshes with TP/PP dims);
+pin_memory=True offload (needs an accelerator); test_shared_params_separate_fsdp_groups_error
+(shardwise re-homes instead: covered by train_shared_params_uneven_shard[units=separate]).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ name. Nothing outside this layer calls torch.distributed's collectives.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -153,6 +154,18 @@ def any_on_all(flags: list[bool], group: ProcessGroup | None = None,
     return [v == 1 for v in _max_on_all([int(f) for f in flags], group, "any", label)]
 
 
+def max_over(values: list[int], groups: Sequence[ProcessGroup | None], label: str = ""
+             ) -> list[int]:
+    """Each value's MAX over the ranks of `groups`, one tiny all-reduce per group in order:
+    the groups of a mesh's dims, one after the other, reach every rank of the mesh (a
+    model's agreement groups, engine/mesh.py [Note: model group]). `[]`: this rank alone."""
+    if not is_initialized():
+        return values
+    for g in groups:
+        values = _max_on_all(values, g, "max_over", label)
+    return values
+
+
 def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") -> bool:
     """True on every rank iff every rank passed the same integer (one tiny all-reduce)."""
     if not is_initialized() or world_size(group) == 1:
@@ -163,11 +176,11 @@ def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") 
 
 class Agreement(NamedTuple):
     """`same_on_all_async`'s check in flight: `wait()` is True on every rank iff every rank
-    passed the same integer."""
+    passed the same integer; `extra()` then holds each extra value's MAX over the ranks."""
 
     work: Work
     value: int
-    host: torch.Tensor  # (max value, max -value) once waited
+    host: torch.Tensor  # (max value, max -value, *max extra) once waited
     ready: Any = None  # CUDA: an event after the copy of the result to `host`
 
     def wait(self) -> bool:
@@ -175,18 +188,24 @@ class Agreement(NamedTuple):
             self.ready.synchronize()  # the all-reduce and its copy, not the work queued after
         else:
             self.work.wait()
-        hi, neg_lo = (int(x) for x in self.host.tolist())
+        hi, neg_lo = (int(x) for x in self.host[:2].tolist())
         return hi == self.value and -neg_lo == self.value
 
+    def extra(self) -> list[int]:
+        """After `wait`: the MAX of each extra value passed to `same_on_all_async`."""
+        return [int(x) for x in self.host[2:].tolist()]
 
-def same_on_all_async(value: int, group: ProcessGroup | None = None,
-                      label: str = "") -> Agreement:
+
+def same_on_all_async(value: int, group: ProcessGroup | None = None, label: str = "",
+                      extra: Sequence[int] = ()) -> Agreement:
     """`same_on_all`, issued now and answered by `wait()`: a check that overlaps compute.
 
+    `extra`: further integers (the same number on every rank) whose MAX over the ranks rides
+    in the same all-reduce (`Agreement.extra`): a second agreement at no extra round trip.
     On a GPU the result is copied to pinned host memory on a side stream, so that the wait
     waits for this all-reduce only, not for the kernels queued after it on the current stream.
     """
-    t = torch.tensor([value, -value], dtype=torch.int64, device=byte_device(group))
+    t = torch.tensor([value, -value, *extra], dtype=torch.int64, device=byte_device(group))
     if not is_initialized() or world_size(group) == 1:
         return Agreement(Work(None, t), value, t)
     handle, issued = issue("same_on_all", label, group, t, lambda: dist.all_reduce(
