@@ -10,8 +10,8 @@ import torch
 
 import shardwise as sw
 from shardwise.engine.comm import one_copy_setup
-from tests.dist.parity import grad_diffs, param_diffs
-from tests.models import TinyLM, loss_fn, make_batch
+from tests.dist import one_copy_workers as W
+from tests.models import TinyLM
 
 
 def _lag(module: torch.nn.Module, seconds: float) -> None:
@@ -41,19 +41,7 @@ def lagging_peer(rank: int, world: int, strategy: str, late: int,
     # gloo's below.
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    diffs: dict[str, float] = {}
-    for step in range(3):
-        x, y = make_batch("lm", 70 + step, 2 * world)
-        mine = slice(rank * 2, rank * 2 + 2)
-        loss_fn("lm", model(x[mine]), y[mine]).backward()
-        loss_fn("lm", ref(x), y).backward()
-        diffs.update(grad_diffs(model, ref, f"step {step}"))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        diffs.update(param_diffs(model, ref, f"step {step}"))
-    full = {k: v.tolist() for k, v in sw.full_state_dict(model).items()}
+    out = W.steps_against_reference(model, ref, opt, ref_opt, rank, world, per_rank=2,
+                                    seed=70)
     channel = one_copy_setup._channels.get(torch.distributed.group.WORLD)
-    held = 0 if channel is None else len(channel.exchanges)
-    return {"diffs": diffs, "full": full, "channel": channel is not None, "held": held}
+    return {**out, "held": 0 if channel is None else len(channel.exchanges)}

@@ -47,10 +47,21 @@ def train(rank: int, world: int, strategy: str, refuse_on: int = -1) -> dict[str
     sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = steps_against_reference(model, ref, opt, ref_opt, rank, world, per_rank=3, seed=50)
+    return {**out, "exchanges": waited[0]}
+
+
+def steps_against_reference(model: torch.nn.Module, ref: torch.nn.Module,
+                            opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer,
+                            rank: int, world: int, per_rank: int,
+                            seed: int) -> dict[str, object]:
+    """Three steps of the LM, each rank on its slice of a global batch the reference sees
+    whole: every step's gradient and parameter differences, the full parameters after the
+    steps (to compare paths bit for bit), and whether the group has a one-copy channel."""
     diffs: dict[str, float] = {}
     for step in range(3):
-        x, y = make_batch("lm", 50 + step, 3 * world)
-        mine = slice(rank * 3, rank * 3 + 3)
+        x, y = make_batch("lm", seed + step, per_rank * world)
+        mine = slice(rank * per_rank, rank * per_rank + per_rank)
         loss_fn("lm", model(x[mine]), y[mine]).backward()
         diffs.update(grad_diffs(model, ref_step(ref, x, y), f"step {step}"))
         opt.step()
@@ -60,8 +71,7 @@ def train(rank: int, world: int, strategy: str, refuse_on: int = -1) -> dict[str
         diffs.update(param_diffs(model, ref, f"step {step}"))
     full = {k: v.tolist() for k, v in sw.full_state_dict(model).items()}
     channel = one_copy_setup._channels.get(torch.distributed.group.WORLD)
-    return {"diffs": diffs, "full": full, "channel": channel is not None,
-            "exchanges": waited[0]}
+    return {"diffs": diffs, "full": full, "channel": channel is not None}
 
 
 def ref_step(ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:

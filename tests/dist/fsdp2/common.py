@@ -173,6 +173,11 @@ class DataParallelRef:
         return losses
 
 
+def sum_loss(m: nn.Module, x: Any) -> torch.Tensor:
+    """The loss most cases train on: the sum of the model's output."""
+    return m(x).sum()
+
+
 def ref_step(ref: nn.Module, slices: list[Any], loss_of: Callable[[nn.Module, Any], torch.Tensor]
              ) -> list[torch.Tensor]:
     """One synchronized data-parallel backward of the reference; returns each rank's loss."""

@@ -17,11 +17,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from shardwise.fsdp2 import fully_shard
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, randn, train_parity
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def _two_tensor_mlps(n: int = 2) -> nn.Sequential:

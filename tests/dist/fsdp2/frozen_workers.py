@@ -20,11 +20,8 @@ from tests.dist.fsdp2.common import (
     ref_step,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def _freeze_weights(model: nn.Module) -> None:

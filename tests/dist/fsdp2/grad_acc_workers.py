@@ -29,13 +29,12 @@ from tests.dist.fsdp2.common import (
     sharded_modules,
     tokens,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
 
 _MESHES: dict[tuple[int, ...], DeviceMesh] = {}
 
 
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def make_mesh(kind: str, world: int) -> DeviceMesh | None:
@@ -276,33 +275,10 @@ def grad_acc_with_reduce_dtype(rank: int, world: int, ex: Expect,
     kept after each backward but the last unless reshard_after_forward
     (set_reshard_after_backward(last or reshard_after_forward)). The unsharded gradients
     accumulate in fp32, each micro-batch's bf16 gradient upcast."""
-    from tests.dist.fsdp2.mp_training_workers import _mlps
+    from tests.dist.fsdp2 import mp_training_workers as MP
 
-    pd, rd, microbatches = torch.bfloat16, torch.float32, 4
-    model, ref = _mlps(reshard_after_forward, pd, rd, world)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for it in range(3):
-        acc: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for mb in range(microbatches):
-            last = mb == microbatches - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last or reshard_after_forward)
-            xs = global_batch(10 * it + mb, world, randn(2, 16))
-            with record_collectives() as log:
-                loss = model(xs[rank]).sum()
-                loss.backward()
-            ex.true({r[3] for r in log if r[0] == "reduce_scatter"} <= {rd}, "reduce dtype")
-            for r, x in enumerate(xs):
-                ref_loss, grads = ref.rank_grads(x, _sum)
-                if r == rank:
-                    ex.close(loss, ref_loss, f"iter {it} mb {mb}: loss")
-                grads32 = [g.to(rd) for g in grads]
-                acc[r] = grads32 if not acc[r] else [a + g for a, g in zip(acc[r], grads32)]
-        ref.reduce(acc)
-        check_sharded_parity(ex, ref.master, model, rank, world, f"iter {it}")
-        opt.step()
-        opt.zero_grad(set_to_none=(it % 2 == 0))
-        ref.optimizer_step(set_to_none=(it % 2 == 0))
+    MP.grad_acc_with_reduce_dtype(rank, world, ex, reshard_after_forward,
+                                  toggle_reshard_after_backward=True)
 
 
 def interleaved_microbatches(rank: int, world: int, ex: Expect, reshard_after_forward: bool,

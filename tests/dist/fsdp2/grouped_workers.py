@@ -28,14 +28,10 @@ from tests.dist.fsdp2.common import (
     tokens,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.grad_acc_workers import raf_value
 from tests.dist.fsdp2.models import ChunkedHeadModel, ModelArgs, Transformer, TransformerBlock
-
-WRAPPED = "_checkpoint_wrapped_module."
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
+from tests.dist.fsdp2.training_compose_workers import WRAPPED
 
 
 def ac_module_grouping(rank: int, world: int, ex: Expect, reshard_after_forward: bool,

@@ -20,12 +20,9 @@ from tests.dist.fsdp2.common import (
     global_batch,
     randn,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.grad_acc_workers import make_mesh
 from tests.dist.fsdp2.models import MLP
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def train_parity_hsdp(rank: int, world: int, ex: Expect, mesh: str, reshard_after_forward: bool,

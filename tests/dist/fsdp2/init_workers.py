@@ -24,11 +24,8 @@ from tests.dist.fsdp2.common import (
     tokens,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def shard_tensor_parameters(rank: int, world: int, ex: Expect) -> None:

@@ -23,13 +23,12 @@ import shardwise as sw
 from shardwise.engine.dtensor import local_of
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, global_batch, randn
 from tests.dist.fsdp2.common import record_collectives as record
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 
 
-def _sum(m: nn.Module, x: Any) -> torch.Tensor:
-    return m(x).sum()
 
 
 class Reference:
@@ -157,9 +156,12 @@ def reduce_dtype_after_frozen_first_forward(rank: int, world: int, ex: Expect) -
 
 
 def grad_acc_with_reduce_dtype(rank: int, world: int, ex: Expect,
-                               reshard_after_forward: bool) -> None:
+                               reshard_after_forward: bool,
+                               toggle_reshard_after_backward: bool = False) -> None:
     """Micro-batches without sync under bf16 compute / fp32 reduce: the unsharded gradients
-    accumulate in fp32 (each micro-batch's bf16 gradient upcast, then summed)."""
+    accumulate in fp32 (each micro-batch's bf16 gradient upcast, then summed).
+    `toggle_reshard_after_backward`: as upstream's test is now, the full parameters are kept
+    after each backward but the last unless reshard_after_forward."""
     pd, rd, microbatches = torch.bfloat16, torch.float32, 4
     model, ref = _mlps(reshard_after_forward, pd, rd, world)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -168,6 +170,8 @@ def grad_acc_with_reduce_dtype(rank: int, world: int, ex: Expect,
         for mb in range(microbatches):
             last = mb == microbatches - 1
             model.set_requires_gradient_sync(last)
+            if toggle_reshard_after_backward:
+                model.set_reshard_after_backward(last or reshard_after_forward)
             xs = global_batch(10 * it + mb, world, randn(2, 16))
             with record() as log:
                 loss = model(xs[rank]).sum()

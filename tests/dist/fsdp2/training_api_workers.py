@@ -28,12 +28,9 @@ from tests.dist.fsdp2.common import (
     tokens,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.grad_acc_workers import raf_value
 from tests.dist.fsdp2.models import MLP, ChunkedHeadModel, ModelArgs, Transformer
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def _transformer(n_layers: int) -> Transformer:

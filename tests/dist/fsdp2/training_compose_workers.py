@@ -23,13 +23,12 @@ from tests.dist.fsdp2.common import (
     tokens,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import ChunkedHeadModel, ModelArgs, Transformer, TransformerBlock
 
 WRAPPED = "_checkpoint_wrapped_module."
 
 
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def _small_transformer(**kw: object) -> Transformer:

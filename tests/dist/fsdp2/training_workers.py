@@ -25,11 +25,8 @@ from tests.dist.fsdp2.common import (
     tokens,
     train_parity,
 )
+from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
-
-
-def _sum(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return m(x).sum()
 
 
 def root_move_forward_input_to_device(rank: int, world: int, ex: Expect) -> None:
