@@ -32,6 +32,25 @@ def lora_config(cfg: Config) -> Any:
                       base_model_name_or_path=cfg.model.hf)
 
 
+def check_targets(model: nn.Module, targets: list[str], given: str = "") -> None:
+    """Every name in `targets` matches a module of `model`, as peft matches a list (the
+    module's full name, or its tail after a dot); else a ValueError naming the unmatched
+    ones and the adaptable layers' names. peft itself refuses only when no name matches, so
+    `q_proj,nonexistent` would silently adapt q_proj alone."""
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [t for t in targets
+                 if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return
+    # What LoRA can adapt: leaf layers holding a matrix (Linear, GPT-2's Conv1D, Embedding).
+    layers = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                     if n and not any(True for _ in m.children())
+                     and getattr(getattr(m, "weight", None), "dim", lambda: 0)() >= 2})
+    raise ValueError(f"lora.targets={given or ','.join(targets)!r}: "
+                     f"{', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''}"
+                     f" no module of the model; its adaptable layers are: {', '.join(layers)}")
+
+
 def _meta_model(cfg: Config) -> nn.Module:
     import transformers as tf
 
@@ -41,6 +60,7 @@ def _meta_model(cfg: Config) -> nn.Module:
     if cfg.lora.rank:
         from peft import get_peft_model
 
+        check_targets(model, cfg.lora.target_list() or [], cfg.lora.targets)
         try:
             model = get_peft_model(model, lora_config(cfg))
         except ValueError as e:  # e.g. a target that matches no module
