@@ -9,7 +9,8 @@ without --force. One summary line; --verbose adds a line per file and tensor.
 A run of the built-in GPT also gets shardwise_gpt.json (its shape) beside the weights, so
 `shardwise generate OUT` rebuilds it. `--hf` writes a Hugging Face folder (config.json,
 weights, tokenizer files; a LoRA run's adapters merged) and `--adapter` a LoRA run's peft
-adapter folder alone: both into a new folder, written whole or not at all (train/hf_export.py).
+adapter folder alone: both into a new folder (or, with --force, over an earlier export's files),
+written whole or not at all, --hf's weights split at --max-shard-size (train/hf_export.py).
 """
 
 from __future__ import annotations
@@ -103,13 +104,14 @@ def main(argv: list[str]) -> int:
                                        "a run folder (runs/NAME): its latest checkpoint")
     ap.add_argument("out", help="an output folder (model.safetensors, or shards + index) or "
                                 "a file name ending in .safetensors (exactly that one file)")
-    ap.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
-                    metavar="SIZE", help="split files past this size, e.g. 5GB, 500MiB "
-                                         "(default 5GB)")
+    ap.add_argument("--max-shard-size", type=parse_size, default=None,
+                    metavar="SIZE", help="split the weights into files of at most this size, "
+                                         "e.g. 5GB, 500MiB (default 5GB; also with --hf)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking each checkpoint file's SHA-256 first")
     ap.add_argument("--force", action="store_true",
-                    help="overwrite an existing output file, or the export files in the folder")
+                    help="overwrite an existing output file, or the export files in the "
+                         "folder (with --hf / --adapter too; other files are kept)")
     ap.add_argument("--verbose", action="store_true", help="one line per file and tensor")
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument("--hf", action="store_true",
@@ -125,7 +127,9 @@ def main(argv: list[str]) -> int:
         ap.error(f"out={args.out!r} is not allowed: give an output folder or a .safetensors "
                  "file name")
     if args.hf or args.adapter:
-        return _export_folder(args.checkpoint, args.out, args.adapter, not args.no_verify)
+        return _export_folder(args.checkpoint, args.out, args.adapter, not args.no_verify,
+                              args.max_shard_size, args.force)
+    max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_size is None else args.max_shard_size
     try:
         replaced = check_out(args.out, args.force)
     except ValueError as e:
@@ -152,7 +156,7 @@ def main(argv: list[str]) -> int:
     try:
         for f in replaced:  # refused above unless --force
             os.remove(f)
-        files = export_checkpoint(ckpt, args.out, max_shard_bytes=args.max_shard_size,
+        files = export_checkpoint(ckpt, args.out, max_shard_bytes=max_shard,
                                   verify=not args.no_verify, progress=progress)
     except (CheckpointError, ValueError, OSError) as e:
         return report("shardwise export", e)
@@ -184,7 +188,8 @@ def _record_gpt_shape(ckpt: str, out: str) -> None:
         Path(out, GPT_SHAPE).write_text(json.dumps(shape, indent=2) + "\n")
 
 
-def _export_folder(checkpoint: str, out: str, adapter: bool, verify: bool) -> int:
+def _export_folder(checkpoint: str, out: str, adapter: bool, verify: bool,
+                   max_shard_bytes: int | None, force: bool) -> int:
     from shardwise.checkpoint.manifest import CheckpointError
     from shardwise.train.hf_export import export_run, run_config
 
@@ -196,7 +201,8 @@ def _export_folder(checkpoint: str, out: str, adapter: bool, verify: bool) -> in
                              "Hugging Face class; export it without --hf (the folder records "
                              "its shape, and `shardwise generate OUT` samples from it)")
         t0 = time.monotonic()
-        cfg = export_run(ckpt, out, adapter=adapter, verify=verify)
+        cfg = export_run(ckpt, out, adapter=adapter, verify=verify,
+                         max_shard_bytes=max_shard_bytes, force=force)
     except (CheckpointError, ValueError, OSError) as e:
         return report(prog, e)
     what = ("peft adapter folder" if adapter else

@@ -9,8 +9,14 @@
 - the built-in GPT: model.safetensors and shardwise_gpt.json, its shape, so that
   `shardwise generate OUT` (or `load_gpt`) rebuilds it without the run's config.
 
+The weights are split into files of at most `max_shard_bytes` (HF's layout: model.safetensors,
+or model-0000i-of-0000n.safetensors plus model.safetensors.index.json), as `save_pretrained`
+does; a LoRA merge is re-split the same way, whatever the base folder's layout.
+
 Everything is written into `OUT.partial` and renamed when complete: a folder appears whole or
-not at all, and an existing non-empty folder is never written over.
+not at all. An existing non-empty folder is never written over, unless `force`: then the
+files an export writes (`EXPORT_FILES`, shards of any count) are replaced and every other file
+in it is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +35,15 @@ from .config import Config
 from .hf_folder import CONFIG_FILES, TOKENIZER_FILES
 
 GPT_SHAPE = "shardwise_gpt.json"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# What an export folder holds (besides weight shards of any count): what `force` replaces.
+EXPORT_FILES = (*CONFIG_FILES, *TOKENIZER_FILES, *ADAPTER_FILES, GPT_SHAPE,
+                "model.safetensors", "model.safetensors.index.json")
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# safetensors' dtype names (a file header's spelling) -> torch.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def run_config(ckpt: str) -> Config:
@@ -44,10 +60,34 @@ def run_config(ckpt: str) -> Config:
     return build({**values, "name": run.name, "out_dir": str(run.parent)})
 
 
-def _check_new(out: str) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+def _check_new(out: str, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out={out!r} is a file; give a folder (new, or with --force one "
+                         "holding an earlier export)")
+    if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"out={out!r} already exists and is not an empty folder; give a new "
-                         "folder (an export never writes over what is there)")
+                         "folder, or pass --force to replace the export files in it (other "
+                         "files are kept)")
+
+
+def _is_export_file(name: str) -> bool:
+    return name in EXPORT_FILES or bool(_SHARD.match(name))
+
+
+def _publish(partial: str, out: str) -> list[str]:
+    """Move the finished export into `out`: a rename when `out` is new or empty; else (force)
+    the export files already there are replaced and the rest kept. Returns the replaced names."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(partial, out)
+        return []
+    old = sorted(n for n in os.listdir(out) if _is_export_file(n))
+    for name in old:
+        os.remove(os.path.join(out, name))
+    for name in sorted(os.listdir(partial)):
+        os.replace(os.path.join(partial, name), os.path.join(out, name))
+    return old
 
 
 def _tensors(ckpt: str, tmp: str, verify: bool) -> dict[str, torch.Tensor]:
@@ -102,35 +142,54 @@ def _is_transposed(key: str, transposed: list[str]) -> bool:
                for n in transposed)
 
 
-def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str) -> None:
+def _base_files(src: str) -> list[str]:
+    index = os.path.join(src, "model.safetensors.index.json")
+    return (sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+            if os.path.isfile(index) else ["model.safetensors"])
+
+
+def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str,
+            max_shard_bytes: int) -> None:
+    """The base weights with the adapters merged, written in files of at most
+    `max_shard_bytes` (one base tensor in memory at a time)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
+
+    from ..checkpoint.export import ConsolidatedWriter
+    from ..checkpoint.safetensors_io import Entry
 
     src = cfg.model.hf
     pairs = _adapted(adapters)
     transposed = _stored_transposed(src)
     scale = cfg.lora.scale() / cfg.lora.rank
-    index = os.path.join(src, "model.safetensors.index.json")
-    files = (sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
-             if os.path.isfile(index) else ["model.safetensors"])
-    used = set()
-    for name in files:  # one base file in memory at a time
-        tensors = {}
+    files = _base_files(src)
+    entries: list[tuple[str, Entry]] = []
+    meta = {"format": "pt"}
+    for name in files:  # headers only: the output's split is planned before writing
         with safe_open(os.path.join(src, name), "pt") as f:
-            meta = f.metadata() or {"format": "pt"}
+            meta = f.metadata() or meta
             for key in f.keys():
-                t = f.get_tensor(key)
-                if key in pairs:
-                    a, b = pairs[key]
-                    delta = b.float() @ a.float()  # (out, in)
-                    if _is_transposed(key, transposed):
-                        delta = delta.T
-                    t = (t.float() + scale * delta).to(t.dtype)
-                    used.add(key)
-                tensors[key] = t.contiguous()
-        save_file(tensors, os.path.join(out, name), metadata=meta)
-    if os.path.isfile(index):
-        shutil.copy2(index, os.path.join(out, "model.safetensors.index.json"))
+                sl = f.get_slice(key)
+                entries.append((name, Entry(key, _ST_DTYPES[sl.get_dtype()],
+                                            tuple(sl.get_shape()))))
+    writer = ConsolidatedWriter(out, [e for _, e in entries], max_shard_bytes, meta)
+    used = set()
+    try:
+        for name in files:
+            with safe_open(os.path.join(src, name), "pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if key in pairs:
+                        a, b = pairs[key]
+                        delta = b.float() @ a.float()  # (out, in)
+                        if _is_transposed(key, transposed):
+                            delta = delta.T
+                        t = (t.float() + scale * delta).to(t.dtype)
+                        used.add(key)
+                    writer.write(key, t.contiguous())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     missing = sorted(set(pairs) - used)
     if missing:
         raise ValueError(f"adapters for {missing[:3]} match no weight of {src!r}: the base "
@@ -149,14 +208,21 @@ def _adapter_folder(cfg: Config, adapters: dict[str, torch.Tensor], out: str) ->
     lora_config(cfg).save_pretrained(out)
 
 
-def export_run(ckpt: str, out: str, *, adapter: bool = False, verify: bool = True) -> Config:
+def export_run(ckpt: str, out: str, *, adapter: bool = False, verify: bool = True,
+               max_shard_bytes: int | None = None, force: bool = False) -> Config:
     """Write the export of checkpoint `ckpt` (inside its run folder) at `out`; return the
-    run's config. See the module docstring for what each kind holds."""
-    from ..checkpoint.export import export_checkpoint
+    run's config. See the module docstring for what each kind holds. `max_shard_bytes`:
+    split the weights past this size (None: Hugging Face's 5 GB); `force`: replace an
+    earlier export in `out`."""
+    from ..checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 
     cfg = run_config(ckpt)
     out = os.path.abspath(out)
-    _check_new(out)
+    _check_new(out, force)
+    if adapter and max_shard_bytes is not None:
+        raise ValueError("--max-shard-size does not apply to --adapter: peft loads one "
+                         "adapter_model.safetensors")
+    shard = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
     if adapter and not cfg.lora.rank:
         raise ValueError(f"--adapter: run {cfg.name!r} trained no LoRA adapter (lora.rank=0); "
                          "export it with --hf")
@@ -168,11 +234,11 @@ def export_run(ckpt: str, out: str, *, adapter: bool = False, verify: bool = Tru
     os.makedirs(partial)
     try:
         if not cfg.model.hf:
-            export_checkpoint(ckpt, partial, verify=verify)
+            export_checkpoint(ckpt, partial, verify=verify, max_shard_bytes=shard)
             shape = {"model_type": "shardwise-gpt", **dataclasses.asdict(cfg.model.gpt())}
             Path(partial, GPT_SHAPE).write_text(json.dumps(shape, indent=2) + "\n")
         elif not cfg.lora.rank:
-            export_checkpoint(ckpt, partial, verify=verify)
+            export_checkpoint(ckpt, partial, verify=verify, max_shard_bytes=shard)
             _copy_side_files(cfg.model.hf, partial)
         else:
             with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
@@ -180,11 +246,9 @@ def export_run(ckpt: str, out: str, *, adapter: bool = False, verify: bool = Tru
             if adapter:
                 _adapter_folder(cfg, adapters, partial)
             else:
-                _merged(cfg, adapters, partial)
+                _merged(cfg, adapters, partial, shard)
                 _copy_side_files(cfg.model.hf, partial)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty: checked above
-        os.replace(partial, out)
+        _publish(partial, out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return cfg
