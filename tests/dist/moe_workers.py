@@ -1,10 +1,11 @@
-"""Mixture-of-experts models whose routing differs by rank ([Note: lockstep]).
+"""Mixture-of-experts models whose routing differs by rank ([Note: data-dependent units]).
 
-Each rank's tokens are drawn so that some expert gets no token on that rank for every step:
-a hand-written MoE (experts in an nn.ModuleList, or stored as 3-D tensors) routed by token id,
-and Hugging Face Mixtral / Qwen2-MoE built from configs (transformers 5 stores each layer's
-experts as 3-D tensors) with their own learned routers. Compared against the unsharded model
-on the whole batch by tests/dist/harness.py.
+Each rank's tokens are drawn so that some expert gets no token on that rank for every step
+("skewed"), or so that every rank routes tokens to every expert ("balanced"): a hand-written
+MoE (experts in an nn.ModuleList, a ModuleDict of lists, or stored as 3-D tensors) routed by
+token id, and Hugging Face Mixtral / Qwen2-MoE built from configs (transformers 5 stores each
+layer's experts as 3-D tensors) with their own learned routers. Compared against the
+unsharded model on the whole batch by tests/dist/harness.py.
 """
 
 from __future__ import annotations
@@ -49,11 +50,21 @@ class Stacked(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, stacked: bool) -> None:
+    def __init__(self, stacked: bool, nested: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(D, E, bias=False)
         self.experts: nn.Module = Stacked() if stacked else nn.ModuleList(
             Expert() for _ in range(E))
+        if nested:  # experts split into lists inside a dict
+            half = E // 2
+            self.experts = nn.ModuleDict({"lo": nn.ModuleList(Expert() for _ in range(half)),
+                                          "hi": nn.ModuleList(Expert() for _ in range(half))})
+
+    def expert(self, e: int) -> nn.Module:
+        if isinstance(self.experts, nn.ModuleDict):
+            half = E // 2
+            return self.experts["lo" if e < half else "hi"][e % half]
+        return self.experts[e]
 
     def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(h), -1)  # (N, E)
@@ -64,29 +75,35 @@ class MoE(nn.Module):
             idx = (route == e).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue  # this rank sends no token to expert e: it is not called
-            y = self.experts[e](h[idx])
+            y = self.expert(e)(h[idx])
             out = out.index_add(0, idx, y * probs[idx, e : e + 1])
         return out
 
 
 class Layer(nn.Module):
-    def __init__(self, i: int, stacked: bool) -> None:
+    def __init__(self, i: int, stacked: bool, nested: bool = False, twice: bool = False
+                 ) -> None:
         super().__init__()
         self.i = i
+        self.twice = twice
         self.norm = nn.LayerNorm(D)
-        self.moe = MoE(stacked)
+        self.moe = MoE(stacked, nested)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Layer 0 routes by id % E, layer 1 by (id // E) % E: the data decides both.
         route = (ids if self.i == 0 else ids // E) % E
-        return h + self.moe(self.norm(h), route)
+        h = h + self.moe(self.norm(h), route)
+        if self.twice:  # the same MoE layer called again in one forward
+            h = h + self.moe(self.norm(h), (route + 1) % E)
+        return h
 
 
 class Net(nn.Module):
-    def __init__(self, stacked: bool = False) -> None:
+    def __init__(self, stacked: bool = False, nested: bool = False, twice: bool = False
+                 ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer(i, stacked) for i in range(2))
+        self.layers = nn.ModuleList(Layer(i, stacked, nested, twice) for i in range(2))
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -114,51 +131,72 @@ def _batch(step: int, n: int) -> tuple[torch.Tensor, ...]:
     return ids, torch.roll(ids, 1, dims=1)
 
 
+def _balanced_batch(step: int, n: int) -> tuple[torch.Tensor, ...]:
+    """Every row routes a token to every expert at both layers: ids 0, 5, 10, 15 cover
+    each residue of id % E and of (id // E) % E (E = 4), then 2 random tokens."""
+    g = torch.Generator().manual_seed(400 + step)
+    base = torch.tensor([0, 5, 10, 15])
+    rows = [torch.cat([base[torch.randperm(E, generator=g)],
+                       torch.randint(0, VOCAB, (2,), generator=g)]) for _ in range(n)]
+    ids = torch.stack(rows)
+    return ids, torch.roll(ids, 1, dims=1)
+
+
 def _loss(m: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return nn.functional.cross_entropy(m(b[0]), b[1].reshape(-1))
 
 
+def _experts(layer: nn.Module) -> list[nn.Module]:
+    return [layer.moe.expert(e) for e in range(E)]
+
+
 def _shard_hand(m: nn.Module, units: str) -> None:
+    """"layers": one unit per layer; "stacked": 3-D experts as their own unit; "experts":
+    per-expert units, the layer not a unit (their container under a non-unit);
+    "experts+layers": per-expert units inside layer units (under a unit);
+    "experts-grad-op": the same, experts kept gathered from forward to backward."""
     for layer in m.layers:
-        if units in ("experts", "experts+layers"):
-            for ex in layer.moe.experts:
-                sw.fully_shard(ex)
-        if units == "stacked":
+        if units.startswith("experts"):
+            for ex in _experts(layer):
+                sw.fully_shard(ex, reshard_after_forward=units != "experts-grad-op")
+        if units.startswith("stacked"):
             # FSDP2's argument: dim 0 (the experts) for the 3-D weights.
-            sw.fully_shard(layer.moe.experts, shard_placement_fn=lambda p: Shard(0))
+            sw.fully_shard(layer.moe.experts, shard_placement_fn=lambda p: Shard(0),
+                           reshard_after_forward=units == "stacked")
         if units != "experts":
-            sw.fully_shard(layer)
-    sw.fully_shard(m)
+            sw.fully_shard(layer, reshard_after_forward=units != "stacked-grad-op")
+    sw.fully_shard(m, reshard_after_forward=units != "stacked-grad-op")
 
 
-def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...]
+def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...],
+             balanced: bool = False, nested: bool = False, twice: bool = False
              ) -> dict[str, dict[str, float]]:
-    """Per-layer units ("layers"), per-expert units with and without layer units ("experts",
-    "experts+layers", "experts-grad-op") and 3-D experts ("stacked", "stacked-grad-op")."""
+    """Parity of the hand-written MoE for each way of sharding it in `cases`."""
     sw.set_debug(debug)
     out = {}
+    batch = _balanced_batch if balanced else _batch
     for units in cases:
         stacked = units.startswith("stacked")
-
-        def shard(m: nn.Module, units: str = units) -> None:
-            if units == "experts-grad-op":  # experts kept gathered from forward to backward
-                for layer in m.layers:
-                    for ex in layer.moe.experts:
-                        sw.fully_shard(ex, reshard_after_forward=False)
-                    sw.fully_shard(layer)
-                sw.fully_shard(m)
-            elif units == "stacked-grad-op":
-                for layer in m.layers:
-                    sw.fully_shard(layer.moe.experts, reshard_after_forward=False)
-                    sw.fully_shard(layer, reshard_after_forward=False)
-                sw.fully_shard(m, reshard_after_forward=False)
-            else:
-                _shard_hand(m, units)
-
-        out[units] = run_parity(rank, world, lambda s=stacked: Net(s), shard, _batch, _loss,
+        out[units] = run_parity(rank, world, lambda s=stacked: Net(s, nested, twice),
+                                lambda m, u=units: _shard_hand(m, u), batch, _loss,
                                 steps=3, per_rank=PER_RANK, what=f"hand MoE {units}")
     sw.set_debug(False)
     return out
+
+
+def skewed_experts_refused(rank: int, world: int, units: str, nested: bool
+                           ) -> dict[str, str]:
+    """Per-expert units with skewed routing: one step, the error each rank gets."""
+    torch.manual_seed(0)
+    m = Net(False, nested)
+    _shard_hand(m, units)
+    ids, labels = _batch(0, world * PER_RANK)
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    try:
+        _loss(m, (ids[mine], labels[mine])).backward()
+    except Exception as e:  # noqa: BLE001 - the test reads which error each rank got
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": "", "message": ""}
 
 
 # --- Hugging Face ------------------------------------------------------------------------
@@ -222,57 +260,4 @@ def hf_moe(rank: int, world: int, cases: tuple[tuple[str, str], ...]) -> dict[st
                                                 steps=2, per_rank=1, what=f"{kind} {units}")
             # Experts this rank routed tokens to, per (step, layer).
             out[f"{kind}/{units}/used"] = [u for i, u in seen if i in mine]
-    return out
-
-
-# --- a unit that gets no gradient on some ranks only ---------------------------------------
-
-
-class Branchy(nn.Module):
-    """Every rank runs every unit; which side outputs reach the loss depends on the rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.a, self.aux1, self.b, self.aux2 = (Expert() for _ in range(4))
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, ids: torch.Tensor, use: int) -> torch.Tensor:
-        h = self.a(self.embed(ids))
-        side1 = self.aux1(h)
-        out = self.b(h)
-        side2 = self.aux2(out)
-        if use == 0:
-            out = out + side1  # rank 0: aux1 gets a gradient, aux2 none
-        elif use == 1:
-            out = out + side2  # rank 1: the other way round; rank 2: neither
-        return self.head(out)
-
-
-def _branch_batch(step: int, n: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(300 + step)
-    ids = torch.randint(0, VOCAB, (n, 5), generator=g)
-    use = torch.arange(n) // PER_RANK  # the rank each row goes to
-    return ids, torch.roll(ids, 1, dims=1), use
-
-
-def _branch_loss(m: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    ids, labels, use = b
-    losses = [nn.functional.cross_entropy(
-        m(ids[i : i + PER_RANK], int(use[i])).reshape(-1, VOCAB),
-        labels[i : i + PER_RANK].reshape(-1)) for i in range(0, len(ids), PER_RANK)]
-    return torch.stack(losses).mean()
-
-
-def no_grad_on_some_ranks(rank: int, world: int) -> dict[str, dict[str, float]]:
-    out = {}
-    for strategy in (True, False):
-        def shard(m: nn.Module, raf: bool = strategy) -> None:
-            for u in (m.a, m.aux1, m.b, m.aux2):
-                sw.fully_shard(u, reshard_after_forward=raf)
-            sw.fully_shard(m, reshard_after_forward=raf)
-
-        out[str(strategy)] = run_parity(rank, world, Branchy, shard, _branch_batch,
-                                        _branch_loss, steps=3, per_rank=PER_RANK,
-                                        what=f"no gradient on some ranks raf={strategy}")
     return out

@@ -80,11 +80,3 @@ def test_gloo_native_collectives_agree(world: int) -> None:
                               ["transformer"], env={"SHARDWISE_GLOO_NATIVE": "1"})
     assert not off({f"rank {r} {case} {k}": v for r, res in enumerate(results)
                     for case, d in res.items() for k, v in d.items()})
-
-
-def test_gloo_all_to_all_at_two_ranks_agrees() -> None:
-    # At 2 ranks gloo units use the pair transport (send/recv); all-to-all must agree too.
-    results = run_distributed(grid, 2, ["lm"], ["FULL_SHARD"], ["transformer"],
-                              env={"SHARDWISE_GLOO_PAIR": "0"})
-    assert not off({f"rank {r} {case} {k}": v for r, res in enumerate(results)
-                    for case, d in res.items() for k, v in d.items()})

@@ -103,4 +103,4 @@ def test_unit_output_needs_grad_on_some_ranks_only(frozen: bool) -> None:
     it; tests/dist/test_hooked_agreement.py covers it too."""
     run_distributed(GW.output_grad_on_some_ranks, 2, frozen, timeout_s=60,
                     collective_timeout_s=10,
-                    env={"SHARDWISE_DEBUG": "1", "SHARDWISE_CMA": "0"})
+                    env={"SHARDWISE_DEBUG": "1"})

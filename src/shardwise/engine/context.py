@@ -20,9 +20,10 @@ from torch import nn
 
 from . import dtensor as DT
 from .comm import collectives as C
+from .containers import ContainerCheck, find_holders
+from .debug import debug_enabled
 from .events import EventSink
-from .freeze_check import FreezeCheck
-from .lockstep import find_groups
+from .freeze_check import check_same_trainable
 from .mesh import agreement_groups
 from .schedule import Limits, Schedule, ShardedState, TrainingState
 from .tp import check_params_in_place
@@ -34,8 +35,6 @@ class ModelContext:
         self.top = top
         self.units: list[Unit] = [top]
         self.schedule: Schedule[Unit] = Schedule(self.units)
-        self.schedule.region_of = _checkpoint_region
-        self.schedule.settle = self._settle_agreement
         self.sinks: list[EventSink] = []
         # Training step that events are labelled with (observe.sinks.set_step).
         self.step = 0
@@ -43,8 +42,10 @@ class ModelContext:
         self._final_queued = False
         # set_post_optim_event: waited for at the start of the next root forward.
         self.post_optim_event: object | None = None
-        # Every rank trains the same parameters ([Note: freeze check] in freeze_check.py).
-        self.freeze_check = FreezeCheck()
+        # Holders of containers of units ([Note: data-dependent units] in containers.py).
+        self.containers: ContainerCheck | None = None
+        # Under SHARDWISE_DEBUG: the freeze check is due at this backward's first hook.
+        self._check_trainable = False
         # The groups the checks above agree over: the model's ranks ([Note: model group]
         # in mesh.py), set at the first forward.
         self.groups: list[Any] = [None]
@@ -124,13 +125,10 @@ class ModelContext:
         check_params_in_place(self.units)
         self.groups = agreement_groups(self.units)
         _check_same_layout(self.units, self.groups)
-        self.freeze_check.prepare(self.units, self.groups)
-        # Sibling units that data may skip ([Note: lockstep] in schedule.py).
-        self.schedule.groups = find_groups(self.top.modules, self.units,
-                                           {id(u): u.modules for u in self.units})
-        from .hooks import hook_holders  # hooks.py imports this module
-
-        hook_holders(self)
+        holders = find_holders(_named_modules(self.top.modules),
+                               lambda m: getattr(m, "_sw_unit", None) is not None)
+        if holders:
+            self.containers = ContainerCheck(holders, lambda: self.in_backward)
         self.ready = True
         return self
 
@@ -143,11 +141,6 @@ class ModelContext:
         if self.schedule.state is TrainingState.PRE_BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
             self.finish_backward()
-        # A grad-enabled forward's check that no backward took; its agreement is still the
-        # next backward's prediction ([Note: hooked agreement] in schedule_lockstep.py).
-        anywhere = self.freeze_check.settle()
-        if anywhere is not None:
-            self.schedule.agree(anywhere)
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
@@ -164,28 +157,20 @@ class ModelContext:
             for u, s in zip(kept, stale):
                 if s:
                     u.reshard()
-        if torch.is_grad_enabled():
-            self.freeze_check.start()  # issued at the first backward hook (ensure_backward)
+        self._check_trainable = torch.is_grad_enabled() and debug_enabled()
         self.schedule.begin_forward()
 
-    def _settle_agreement(self) -> None:
-        """The schedule needs the agreement: before its first step in backward past the
-        forward's last points, so before any reduction, as the freeze check requires."""
-        try:
-            anywhere = self.freeze_check.settle()
-        except RuntimeError:
-            # Every rank raises here, at the same place: nothing of this backward may run
-            # later (the next forward would finish it, reducing with the layouts that differ).
-            self.reset_iter_state()
-            raise
-        self.schedule.agree(anywhere)  # None: nothing in flight, this rank's flags decide
-
     def ensure_backward(self) -> None:
-        """Every backward hook calls this: the first one issues the freeze check, carrying
-        which units this rank hooked in the forward ([Note: hooked agreement] in
-        schedule_lockstep.py; the schedule waits for it, `_settle_agreement`), and queues
-        the final callback."""
-        self.freeze_check.issue(self.schedule.hooked)  # (a no-op once issued)
+        """Every backward hook calls this: the first one queues the final callback (and,
+        under SHARDWISE_DEBUG, checks that every rank trains the same parameters before
+        any reduction, [Note: freeze check])."""
+        if self._check_trainable:
+            self._check_trainable = False
+            try:
+                check_same_trainable(self.units, self.groups)
+            except RuntimeError:
+                self.reset_iter_state()
+                raise
         self.schedule.state = TrainingState.PRE_BACKWARD
         if not self._final_queued:
             self._final_queued = True
@@ -200,16 +185,12 @@ class ModelContext:
         """After a forward or backward raised: wait for the collectives in flight (every
         rank issued them), drop their results and every unreduced gradient, reshard."""
         sched = self.schedule
-        self.freeze_check.drain()
+        self._check_trainable = False
         while sched.pending:
             pr: Any = sched.pending.popleft()
             pr.work.wait()
             if pr.send is not None:
                 pr.unit.pool.release(pr.send)
-            if getattr(pr, "pack", None) is not None:
-                pr.unit.pool.release(pr.pack)
-        while sched.releasing:
-            sched.releasing.popleft().release()
         for u in self.units:
             u.reshard()
             for p in u.params:
@@ -219,16 +200,8 @@ class ModelContext:
             u.training_state = TrainingState.IDLE
         sched.state = TrainingState.IDLE
         sched.order_now = []
-        # The recorded points are abandoned: a final callback must not run them.
-        sched.reached, sched.touched = 0, False
+        sched.reduced = set()
         self._final_queued = False
-
-
-def _checkpoint_region() -> int | None:
-    """Which activation-checkpointed region forward is in, as the saved-tensor hooks that
-    torch.utils.checkpoint installs for it tell (None: none) ([Note: recompute])."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return None if hooks is None else id(hooks[0])
 
 
 def _named_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:

@@ -31,7 +31,6 @@ from torch import nn
 
 from .context import ModelContext
 from .events import now
-from .schedule import TrainingState
 from .traverse import map_tensors, tensors_in
 from .unit import Unit
 
@@ -72,9 +71,8 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward is the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx: Any, unit: Unit, token: Any, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> Any:
         ctx.unit = unit
-        ctx.token = token
         return tensors
 
     @staticmethod
@@ -82,16 +80,16 @@ class _PostBackward(torch.autograd.Function):
         unit: Unit = ctx.unit
         if unit.ctx is not None:
             unit.ctx.ensure_backward()
-            unit.ctx.schedule.post_backward(unit, ctx.token)
-        return (None, None, *grads)
+            unit.ctx.schedule.post_backward(unit)
+        return (None, *grads)
 
 
-def _mark_inputs(unit: Unit, token: Any, args: Any) -> Any:
+def _mark_inputs(unit: Unit, args: Any) -> Any:
     """Route the inputs that need a gradient through _PostBackward ([Note: post-backward])."""
     needs = [t for t in tensors_in(args) if t.requires_grad]
     if not needs:
         return args
-    outs = iter(_PostBackward.apply(unit, token, *needs))
+    outs = iter(_PostBackward.apply(unit, *needs))
     ids = {id(t) for t in needs}
     return map_tensors(lambda t: next(outs) if id(t) in ids else t, args)
 
@@ -106,19 +104,19 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     if ctx.in_backward:
         # Activation checkpointing re-runs forward inside backward: the unit is needed
         # unsharded (with the same input casts as the first time), and nothing about the
-        # step's order or resharding may change. Not a bare wait_unshard: members of a
-        # group gather in lockstep ([Note: recompute] in schedule.py).
+        # step's order or resharding may change.
         ctx.schedule.recompute(unit)
         return _cast((args, kwargs), cast_to)
     if unit.is_root:
         ctx.begin_forward()
+    if ctx.containers is not None:
+        ctx.containers.called(module)  # before its gather ([Note: data-dependent units])
     if ctx.sinks:
         unit.t_compute = now()
-    grad = torch.is_grad_enabled()
-    token = ctx.schedule.pre_forward(unit, grad)
+    ctx.schedule.pre_forward(unit)
     args, kwargs = _cast((args, kwargs), cast_to)
-    if grad:
-        args, kwargs = _mark_inputs(unit, token, (args, kwargs))
+    if torch.is_grad_enabled():
+        args, kwargs = _mark_inputs(unit, (args, kwargs))
     return args, kwargs
 
 
@@ -134,11 +132,9 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         unit._emit("forward", "", 0, unit.t_compute)
     grad = torch.is_grad_enabled()
     needs = [t for t in tensors_in(output) if t.requires_grad] if grad else []
-    # The point is recorded hooked or not: the ranks agree whether any hooked it, so that it
-    # runs on all or none ([Note: hooked agreement] in schedule_lockstep.py).
-    token = ctx.schedule.post_forward(unit, hooked=bool(needs), grad=grad)
+    ctx.schedule.post_forward(unit)
     if needs:
-        hook = _make_pre_backward(ctx, unit, token)  # one closure per call, not per output
+        hook = _make_pre_backward(ctx, unit)  # one closure per call, not per output
         for t in needs:
             t.register_hook(hook)
     # Each unit's own policy: a block may hand fp32 to the next one while computing in bf16.
@@ -148,34 +144,12 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
     return output
 
 
-def _holder_pre_hook(ctx: ModelContext, groups: tuple[int, ...], module: nn.Module,
-                     args: Any) -> None:
-    if ctx.schedule.state is not TrainingState.IDLE:  # forward, or a recomputation
-        ctx.schedule.open_groups(groups)
-
-
-def _holder_post_hook(ctx: ModelContext, groups: tuple[int, ...], module: nn.Module,
-                      args: Any, output: Any) -> None:
-    if ctx.schedule.state is not TrainingState.IDLE:
-        ctx.schedule.close_groups(groups)
-
-
-def hook_holders(ctx: ModelContext) -> None:
-    """The holders of groups (an MoE block holding per-expert units; never a unit) begin and
-    end the groups' rounds with their forward ([Note: lockstep] in schedule.py)."""
-    for module, groups in ctx.schedule.groups.holders:
-        module.register_forward_pre_hook(
-            _not_traced(functools.partial(_holder_pre_hook, ctx, groups)))
-        module.register_forward_hook(
-            _not_traced(functools.partial(_holder_post_hook, ctx, groups)))
-
-
-def _make_pre_backward(ctx: ModelContext, unit: Unit, token: Any):
+def _make_pre_backward(ctx: ModelContext, unit: Unit):
     def hook(grad: torch.Tensor) -> None:
         ctx.ensure_backward()
         if ctx.sinks:
             unit.t_compute = now()
-        ctx.schedule.pre_backward(unit, token)
+        ctx.schedule.pre_backward(unit)
 
     return hook
 

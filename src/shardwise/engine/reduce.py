@@ -1,15 +1,9 @@
-"""A unit's gradient reduction: pack or send, reduce-scatter, divide, write the shards.
+"""A unit's gradient reduction: pack, reduce-scatter, divide, write the shards.
 
 The unit decides *that* its gradients reduce (unit.py, called by the schedule); this file
 is *how*: one reduction per flat bucket, in flight as a `PendingReduce` until the schedule
-finishes it, which writes the reduced rows into the sharded gradients.
-
-Two paths move the bytes. The packed path copies every gradient into one rank-major buffer
-(pack.py) and hands it to the transport's reduce-scatter. The parts path ([Note: parameter
-messages] in comm/transport.py), taken by the pair transport, sends each gradient's peer
-rows straight from the gradient and receives the peer's contribution to this rank's rows
-into one buffer; the local sum then writes the result. No pack: the gradient is the send
-buffer.
+finishes it, which writes the reduced rows into the sharded gradients. Every gradient is
+copied into one rank-major buffer (pack.py) that the transport reduce-scatters.
 """
 
 from __future__ import annotations
@@ -21,14 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .comm import collectives as C
-from .comm.transport import own_message, reduces_in_parts
 from .comm.work import Work
 from .events import Span, now
 from .pack import pack_grad, prescale
 
 if TYPE_CHECKING:
     from .bucket import FlatBucket
-    from .sharded_param import ShardedParam
     from .unit import Unit
 
 
@@ -45,31 +37,15 @@ class PendingReduce:
     # What is left to divide by after the sum (1: the pack divided already, [Note: divide
     # in the pack]).
     post: float = 1.0
-    # Sent in parts ([Note: parameter messages]): the local sum ran inside the wait.
-    parts: bool = False
-    # In parts: the pooled pack of small gradients and flags (both directions), or None.
-    pack: torch.Tensor | None = None
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
-    released: bool = False
 
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
         if not self.finished:
             self.finished = True
             finish_reduce(self.unit, self)
-
-    def release(self) -> None:
-        """After `finish`: once the peer has read what this rank sent (in parts: gradient
-        rows, the small pack), let go of it ([Note: one-copy release]). Idempotent."""
-        if self.released or not self.finished:
-            return
-        self.released = True
-        if self.parts:
-            self.work.wait_sent()
-            if self.pack is not None:
-                self.unit.pool.release(self.pack)
 
 
 def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
@@ -91,12 +67,6 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     dtype = unit.reduce_dtype_for[g.dtype]
     complete = all(x is not None for x in grads)
     flags = _flags(unit, g, grads, dtype, complete)
-    # Decided from the bucket's compute dtype, never from this rank's gradients: one
-    # accumulated under no_sync is already in the reduce dtype (unit.py), so ranks that used
-    # a parameter in different micro-batches would take different paths (and their
-    # messages would not match).
-    if S > 1 and reduces_in_parts(unit.transport, dtype, [g.dtype]):
-        return _reduce_in_parts(unit, g, grads, dtype, flags, complete, start)
     k = len(g.grad_params)
     width = g.grad_numel + k
     # With S == 1 the packed buffer becomes the gradients: not pooled.
@@ -116,93 +86,6 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
     return PendingReduce(unit, g, None, send, work, start, complete, post)
-
-
-def _rows(p: ShardedParam, rank: int) -> tuple[int, int]:
-    """(start, length) in elements of shard-rank `rank`'s valid rows of p, flattened."""
-    start = min(rank * p.chunk_rows, p.dim0)
-    end = min(start + p.chunk_rows, p.dim0)
-    return start * p.row_numel, (end - start) * p.row_numel
-
-
-def _reduce_in_parts(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None],
-                     dtype: torch.dtype, flags: torch.Tensor, complete: bool,
-                     start: float) -> PendingReduce:
-    """[Note: parameter messages]: each gradient's peer rows go out as they are; what the
-    peer sends for this rank's rows lands in `recv`, and the local sum writes `out`."""
-    mesh, transport = unit.mesh, unit.transport
-    me, peer = transport.me, transport.peer  # type: ignore[attr-defined]
-    width = g.grad_numel + len(g.grad_params)
-    out = torch.empty(width, dtype=dtype, device=mesh.device)
-    recv = unit.pool.get(width, dtype, mesh.device)
-    sends, recvs, sums = [], [], []
-    k = len(g.grad_params)
-    # Gradients too small for a message of their own, and the flags, travel in one pack:
-    # a slot of chunk_numel per such parameter (the peer's rows, zero-padded), then the flags.
-    small = [i for i, p in enumerate(g.grad_params)
-             if p.chunk_numel and not own_message(p.chunk_numel, dtype.itemsize)]
-    small_w = sum(g.grad_params[i].chunk_numel for i in small) + k
-    pack = unit.pool.get(2 * small_w, dtype, mesh.device)
-    s_send, s_recv = pack[:small_w], pack[small_w:]
-    slot = dict(zip(small, _offsets([g.grad_params[i].chunk_numel for i in small])))
-    for i, (p, off, grad) in enumerate(zip(g.grad_params, g.grad_offsets, grads)):
-        flat = None if grad is None else grad.detach().reshape(-1)
-        if flat is not None and not flat.is_contiguous():
-            flat = flat.contiguous()
-        p_start, p_len = _rows(p, peer)
-        m_start, m_len = _rows(p, me)
-        own = flat[m_start : m_start + m_len] if flat is not None and m_len else None
-        if i in slot:
-            so = slot[i]
-            if flat is not None and p_len:
-                s_send[so : so + p_len].copy_(flat[p_start : p_start + p_len])
-            s_send[so + (p_len if flat is not None else 0) : so + p.chunk_numel].zero_()
-            if m_len:
-                sums.append((own, s_recv[so : so + m_len], out[off : off + m_len]))
-        else:
-            if p_len:
-                sends.append(flat[p_start : p_start + p_len] if flat is not None
-                             else torch.zeros(p_len, dtype=dtype, device=mesh.device))
-            if m_len:
-                recvs.append(recv[off : off + m_len])
-                sums.append((own, recv[off : off + m_len], out[off : off + m_len]))
-        p.drop_local_grad()  # the views above keep the gradient alive until the sum
-    n_grad = g.grad_numel
-    s_send[small_w - k :].copy_(flags)
-    sends.append(s_send)
-    recvs.append(s_recv)
-    sums.append((flags, s_recv[small_w - k :], out[n_grad:]))
-    unit.copied["pack"] += s_send.numel() * s_send.element_size()
-    scale, post = divide(unit, dtype)
-
-    def local_sum() -> None:
-        # Rank order, as every other transport sums: rank 0's part + rank 1's part.
-        for own, theirs, dst in sums:
-            if own is None:
-                dst.copy_(theirs)
-            elif me == 0:
-                torch.add(own, theirs, out=dst)
-            else:
-                torch.add(theirs, own, out=dst)
-        passes = 1
-        if scale is not None:
-            # Power-of-two scaling after the sum: the same bits as before it (a second pass).
-            out[:n_grad].mul_(scale)
-            passes = 2
-        unit.copied["reduce_sum"] += passes * out.numel() * out.element_size()
-
-    work = transport.exchange_parts(sends, recvs, "reduce_scatter", unit.label,  # type: ignore[attr-defined]
-                                    out, local_sum)
-    return PendingReduce(unit, g, recv, out, work, start, complete, post, parts=True,
-                         pack=pack)
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -243,23 +126,20 @@ def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
 def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     """Wait for a reduction and write the result into the sharded gradients."""
     with Span() as wait:
-        # In parts, the sends (gradient rows, the small pack) stay the peer's to read until
-        # `release` ([Note: one-copy release]).
-        out = pr.work.wait_received() if pr.parts else pr.work.wait()
+        out = pr.work.wait()
     waited = wait.seconds
     mesh = unit.mesh
     nbytes = pr.out.numel() * pr.out.element_size()
     if pr.send is not None:
-        if mesh.transport.name != "native" and not pr.parts:
+        if mesh.transport.name != "native":
             unit.copied["reduce_sum"] += nbytes  # the transport's local sum
         unit._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
-        unit.pool.release(pr.send)  # in parts, the receive buffer: this rank's alone
+        unit.pool.release(pr.send)
         if mesh.replicate_size > 1:
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
-            # Synchronous: the whole call is exposed (and ends where the call did, not
-            # wherever this thread got the GIL back after a one-copy reader thread).
+            # Synchronous: the whole call is exposed.
             unit._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds, call.end)
     elif mesh.replicate_size > 1:
         unit._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)

@@ -14,18 +14,21 @@ that was not prefetched gathers synchronously, and one prefetched in vain is res
 the end of forward. The new order is used from the next step on.
 
 [Note: reduce limit] Each pending reduction holds a unit-sized send buffer until it is
-waited for; at most `Limits.reduces` are pending, the oldest is finished first. A finished
-reduction's result is in the sharded gradients, but what it sent may still be read by the
-peer ([Note: one-copy release] in comm/one_copy.py): it is released (its gradients and
-buffers let go) when the next reduction finishes, and at the end of backward at the latest.
+waited for; at most `Limits.reduces` are pending, the oldest is finished first.
 
 [Note: backward prefetch of the first block] The root's pre-backward comes first in
 backward, and the unit whose backward follows it is the last one forward ran. Nothing
 prefetched that one, so its all-gather ran alone, exposed, while the root's own backward
 (the head and the loss) could have covered it: the root's pre-backward prefetches it.
 
-[Note: lockstep] and [Note: recompute]: the rules that keep every rank's collectives in step
-when each rank's data decides which units run are in schedule_lockstep.py.
+[Note: structure decides] Every rank issues the same collectives in the same order because
+they follow from the module structure and the forward order alone, never from data: a unit
+gathers when its forward (or its backward) reaches it, and the units whose post-backward did
+not run (inputs that needed no gradient) reduce in the final callback, in reverse forward
+order, as in FSDP2. Models whose data decides which units run (an expert that gets no token
+on one rank) are refused where the structure shows it ([Note: data-dependent units] in
+api/checks.py) or named by the container check (core/hooks.py); 3-D experts, or one unit
+per MoE layer, keep every rank's collectives alike whatever the routing (docs/moe.md).
 
 [Note: decision log] With `Schedule.log` set to a list, the schedule appends every decision
 it takes, in order, as (what, unit): "gather" (an all-gather issued), "wait" (a gather waited
@@ -41,12 +44,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
-
-from .lockstep import Groups
-from .schedule_lockstep import LockstepRules
 
 
 class ShardedState(enum.Enum):
@@ -93,9 +93,6 @@ class PendingReduce(Protocol):
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
 
-    def release(self) -> None:
-        """After `finish`: let go of what was sent once the peer has it (idempotent)."""
-
 
 class ScheduledUnit(Protocol):
     """What the schedule needs of a unit; engine/unit.py and planner/simulate.py implement it."""
@@ -117,7 +114,7 @@ class ScheduledUnit(Protocol):
 U = TypeVar("U", bound=ScheduledUnit)
 
 
-class Schedule(LockstepRules[U], Generic[U]):
+class Schedule(Generic[U]):
     """The decisions of one model's steps, over its units (`units[0]` need not be the root)."""
 
     def __init__(self, units: list[U], limits: Limits = DEFAULT_LIMITS,
@@ -131,8 +128,6 @@ class Schedule(LockstepRules[U], Generic[U]):
         self.order_now: list[U] = []
         self._index: dict[int, int] = {}
         self.pending: deque[PendingReduce] = deque()
-        # Finished, not yet released ([Note: reduce limit]): at most one.
-        self.releasing: deque[PendingReduce] = deque()
         # Whether this backward has reached any unit yet ([Note: backward prefetch of the
         # first block]).
         self.backward_started = False
@@ -140,32 +135,8 @@ class Schedule(LockstepRules[U], Generic[U]):
         self.prefetches = 0
         self.most_gathers = 0
         self.most_reduces = 0
-        # [Note: lockstep]: the groups of sibling units (set at the first forward), the
-        # last member each group reached this step (-1: none), the backward points this
-        # forward recorded ("pre"/"post", unit), and how far backward has come through them.
-        self.groups: Groups[U] = Groups()
-        self.cursor: list[int] = []
-        self.points: list[tuple[str, U]] = []
-        self.reached = 0
-        self.generation = 0
-        # Groups whose holder's forward began a round that no member has entered yet.
-        self.opened: set[int] = set()
-        # [Note: recompute]: the activation-checkpointed region each point was recorded in
-        # (None: outside any), and how the engine tells it (None: never in one).
-        self.regions: list[object] = []
-        self.region_of: Callable[[], object] | None = None
-        # The recomputation running (its own region) and the region it replays; the regions
-        # replayed in this backward.
-        self.replay: tuple[object, object] = (None, None)
-        self.replayed: set[object] = set()
-        self.grad = False
+        # Units whose gradients this backward reduced already (their post-backward ran).
         self.reduced: set[int] = set()
-        # Whether this backward reached a point the last forward recorded ([Note: lockstep]).
-        self.touched = False
-        # [Note: hooked agreement] (schedule_lockstep.py): the engine's way to learn which
-        # units some rank hooked (None: this rank's own suffice), and this forward's flags.
-        self.settle: Callable[[], None] | None = None
-        self._forget_hooked()
         # [Note: decision log] None: no log is kept (the engine's default; nothing is paid).
         self.log: list[tuple[str, U]] | None = None
 
@@ -178,25 +149,9 @@ class Schedule(LockstepRules[U], Generic[U]):
     def begin_forward(self) -> None:
         self.state = TrainingState.FORWARD
         self.order_now = []
-        self.cursor = [-1] * len(self.groups.members)
-        self.opened = set()
-        self.points = []
-        self.regions = []
-        self.replay, self.replayed = (None, None), set()
-        self.generation += 1
-        self._forget_hooked()
 
-    def pre_forward(self, unit: U, grad: bool = False) -> tuple[int, int] | None:
-        """`unit` is about to compute: its parameters must be there; the next one's may come.
-
-        `grad`: a backward may follow (grad mode). Returns the token of the unit's
-        post-backward point ([Note: lockstep]) for `post_backward`, or None.
-        """
-        self.grad = grad
-        self._enter_groups(unit)
-        return self._pre_forward(unit)
-
-    def _pre_forward(self, unit: U) -> tuple[int, int] | None:
+    def pre_forward(self, unit: U) -> None:
+        """`unit` is about to compute: its parameters must be there; the next one's may come."""
         unit.training_state = TrainingState.FORWARD
         self.order_now.append(unit)
         self._wait(unit)
@@ -205,38 +160,15 @@ class Schedule(LockstepRules[U], Generic[U]):
                 and self.order[pos] is unit and pos + 1 < len(self.order)):
             # (An order that changed this step: no guessing.)
             self._prefetch(self.order[pos + 1])
-        return self._point("post", unit, self.grad)
 
-    def _point(self, kind: str, unit: U, grad: bool) -> tuple[int, int] | None:
-        if not grad:
-            return None
-        self.points.append((kind, unit))
-        self.regions.append(self.region_of() if self.region_of is not None else None)
-        return (self.generation, len(self.points) - 1)
-
-    def post_forward(self, unit: U, hooked: bool = False,
-                     grad: bool | None = None) -> tuple[int, int] | None:
-        """`unit`'s forward is over. `hooked`: its outputs carry pre-backward hooks; `grad`
-        (default: `hooked`): a backward may follow, so its pre-backward point is recorded,
-        hooked or not ([Note: hooked agreement]). Returns the token of that point."""
-        for g in self.groups.closes.get(id(unit), ()):
-            self._close(g)
-        return self._post_forward(unit, hooked, hooked if grad is None else grad)
-
-    def _post_forward(self, unit: U, hooked: bool, grad: bool) -> tuple[int, int] | None:
+    def post_forward(self, unit: U) -> None:
+        """`unit`'s forward is over."""
         if unit.reshards_after_forward:
             self._reshard(unit)
         unit.training_state = TrainingState.IDLE
-        return self._pre_point(unit, hooked, grad)
 
     def end_forward(self, backward_follows: bool) -> None:
         """The root's forward is over. Without a backward to come nothing stays gathered."""
-        for g in range(len(self.cursor)):
-            self._close(g)
-        self.opened = set()
-        self.reached = len(self.points)
-        self._end_hooked()
-        self.touched = False
         self.reduced = set()
         self.backward_started = False
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:
@@ -251,11 +183,12 @@ class Schedule(LockstepRules[U], Generic[U]):
 
     # --- backward -----------------------------------------------------------------------
 
-    def pre_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
+    def recompute(self, unit: U) -> None:
+        """`unit`'s forward runs again inside backward (activation checkpointing)."""
+        self._wait(unit)
+
+    def pre_backward(self, unit: U) -> None:
         """`unit`'s backward is about to run (once per gradient reaching its outputs)."""
-        self._reach(token, "pre", unit)
-        if not self._early(token):
-            self._agreed()  # only the forward's last points run before ([Note: hooked agreement])
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: U) -> None:
@@ -268,22 +201,20 @@ class Schedule(LockstepRules[U], Generic[U]):
             return
         i = self._index.get(id(unit))
         if i is not None and i > 0:
-            nxt = self._needed_from(i - 1, 0)  # backward runs the forward order in reverse
+            nxt = self.order[i - 1]  # backward runs the forward order in reverse
         elif i == 0 and first and unit.is_root and len(self.order) > 1:
             # [Note: backward prefetch of the first block]
-            nxt = self._needed_from(len(self.order) - 1, 1)
+            nxt = self.order[-1]
         else:
             return
-        if nxt is not None and _unshards_in_backward(nxt):
+        if _unshards_in_backward(nxt):
             self._prefetch(nxt)
 
-    def post_backward(self, unit: U, token: tuple[int, int] | None = None) -> None:
+    def post_backward(self, unit: U) -> None:
         """`unit`'s backward is over: hand its gradients on, then reshard."""
-        self._reach(token, "post", unit)
         self._post_backward(unit)
 
     def _post_backward(self, unit: U) -> None:
-        self._agreed()  # the freeze check, before any reduction ([Note: hooked agreement])
         self.reduced.add(id(unit))
         unit.training_state = TrainingState.POST_BACKWARD
         reductions = unit.reduce_grads()
@@ -300,14 +231,8 @@ class Schedule(LockstepRules[U], Generic[U]):
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
         that need no gradient), wait for every reduction, reshard everything."""
-        if self.touched:
-            # Only a backward through the recorded forward runs the points it skipped. One
-            # through a unit called on its own since (a chunked loss's head) must leave them
-            # to the forward's own backward: run here, they were spent, and that backward
-            # then dropped the gradient of a unit it reached again (a tied embedding).
-            self._reach_point(-1)
-        # Units no recorded point covers (a forward outside grad mode, a recomputation):
-        # reverse forward order is the order their post-backward would have run.
+        # Reverse forward order is the order their post-backward would have run; the same
+        # on every rank ([Note: structure decides]).
         seen = {id(u) for u in self.order}
         for u in list(reversed(self.order)) + [u for u in self.units if id(u) not in seen]:
             if id(u) in self.reduced:
@@ -316,19 +241,12 @@ class Schedule(LockstepRules[U], Generic[U]):
                 self._post_backward(u)
         while self.pending:
             self._finish_oldest()
-        while self.releasing:
-            self.releasing.popleft().release()
         for u in self.units:
             if u.reshard_after_backward:
                 self._reshard(u)
             u.training_state = TrainingState.IDLE
         self.state = TrainingState.IDLE
         self.reduced = set()  # a second backward of the same graph starts afresh
-        # Rounds a recomputation left open ([Note: recompute]) end with the backward.
-        self.cursor = [-1] * len(self.cursor)
-        self.opened = set()
-        self.replay, self.replayed = (None, None), set()
-        self.touched = False
         self.backward_started = False
 
     # --- prefetch -----------------------------------------------------------------------
@@ -362,9 +280,6 @@ class Schedule(LockstepRules[U], Generic[U]):
     def _finish_oldest(self) -> None:
         pr = self.pending.popleft()
         pr.finish()
-        while self.releasing:
-            self.releasing.popleft().release()
-        self.releasing.append(pr)
         if self.log is not None:
             self.log.append(("finish", pr.unit))
 

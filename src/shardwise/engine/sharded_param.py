@@ -40,10 +40,6 @@ class ParamRef:
 
 
 class ShardedParam:
-    # Counts `_build` calls: views cached of a parameter's buffers (FlatBucket.parts_plan)
-    # are remade when it changes (materialize replaces the buffers).
-    builds = 0
-
     def __init__(
         self,
         param: nn.Parameter,
@@ -124,7 +120,6 @@ class ShardedParam:
 
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
-        ShardedParam.builds += 1
         self._padded_shard = padded
         old = getattr(self, "sharded", None)
         if old is not None:

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
-from .comm.transport import Transport, gathers_in_parts
-from .comm.work import Work
+from .comm.transport import Transport
 from .events import Event, Span, now
 from .mesh import MeshInfo
 from .policies import MixedPrecisionPolicy
@@ -77,10 +76,6 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[PendingGather] = []
-        # Gathers in parts whose receives are done while the peer may still read what this
-        # rank sent (its rows of the unsharded parameters, the small pack): released before
-        # the reshard frees them ([Note: one-copy release] in comm/one_copy.py).
-        self._sending: list[tuple[Work, torch.Tensor | None]] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
         # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
         # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
@@ -172,13 +167,9 @@ class Unit:
         for g in self.buckets:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
-            if gathers_in_parts(transport):
-                self._gather_in_parts(g, async_op)
-                continue
             start = now()
             out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-            # [Note: pair transport]: the pair transport's send buffer is `out`'s own row.
-            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool, out)
+            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
             shard = send[: g.numel]
             with torch.no_grad():
                 # Casts to the compute dtype and, under offload, copies host -> device.
@@ -192,49 +183,9 @@ class Unit:
             with Span() as call:
                 work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
-            self._gathers.append(PendingGather(
-                g, None if transport.gather_in_place else send, out, work, start,
-                0.0 if async_op else call.seconds))
+            self._gathers.append(PendingGather(g, send, out, work, start,
+                                               0.0 if async_op else call.seconds))
         self.state = ShardedState.GATHERING
-
-    def _gather_in_parts(self, g: FlatBucket, async_op: bool) -> None:
-        """[Note: parameter messages]: this rank's shard goes into its own chunk of each
-        unsharded buffer and is sent from there; the peer's chunk arrives in place."""
-        start = now()
-        me, peer = self.transport.me, self.transport.peer  # type: ignore[attr-defined]
-        for p in g.params:
-            p.alloc_unsharded()
-        # (Made with the storage there: a view is checked against its size when made.)
-        plan = g.parts_plan(me, peer)  # (2, chunk) per parameter: row r is rank r's chunk
-        with torch.no_grad():
-            torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
-        mine, theirs = list(plan.mine), list(plan.theirs)
-        pack = None
-        if g.small:
-            # The small ones: this rank's chunks side by side, one message each way.
-            pack = self.pool.get(2 * g.small_numel, g.dtype, self.mesh.device)
-            both = pack.view(2, g.small_numel)
-            torch.cat(plan.small_mine, out=both[me])
-            mine.append(both[me])
-            theirs.append(both[peer])
-            self.copied["gather_out"] += pack.numel() * pack.element_size()
-        self.copied["gather_in"] += g.numel * g.dtype.itemsize
-        with Span() as call:
-            work = self.transport.exchange_parts(  # type: ignore[attr-defined]
-                mine, theirs, "all_gather", self.label, self._nothing(g.dtype),
-                async_op=async_op)
-        self._gathers.append(PendingGather(g, None, pack, work, start,
-                                            0.0 if async_op else call.seconds, parts=True))
-
-    def _nothing(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(0, dtype=dtype, device=self.mesh.device)
-
-    def _unpack_small(self, g: FlatBucket, pack: torch.Tensor) -> None:
-        """The peer's small chunks, from the pack into their unsharded buffers."""
-        me, peer = self.transport.me, self.transport.peer  # type: ignore[attr-defined]
-        theirs = pack.view(2, g.small_numel)[peer]
-        torch.split_with_sizes_copy(theirs, [p.chunk_numel for p in g.small],
-                                    out=g.parts_plan(me, peer).small_theirs)
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
@@ -246,20 +197,8 @@ class Unit:
         with torch.no_grad():
             for pg in self._gathers:
                 with Span() as wait:
-                    if pg.parts:
-                        pg.work.wait_received()  # the sends: until the reshard
-                    else:
-                        pg.work.wait()
-                if pg.send is not None:
-                    self.pool.release(pg.send)
-                if pg.parts:  # the chunks arrived in the parameters (and the small pack)
-                    if pg.out is not None:
-                        self._unpack_small(pg.bucket, pg.out)
-                    self._sending.append((pg.work, pg.out))
-                    self._emit("all_gather", "all_gather",
-                               S * pg.bucket.numel * pg.bucket.dtype.itemsize, pg.start,
-                               wait.seconds + pg.blocked)
-                    continue
+                    pg.work.wait()
+                self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
                 for p in pg.bucket.params:
                     p.alloc_unsharded()
@@ -283,14 +222,6 @@ class Unit:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.unsharded
         self.state = ShardedState.UNSHARDED
-
-    def release_sends(self) -> None:
-        """Wait until the peer has read what this unit's gathers sent, then let it go."""
-        while self._sending:
-            work, pack = self._sending.pop(0)
-            work.wait_sent()
-            if pack is not None:
-                self.pool.release(pack)
 
     def shards_changed_since_gather(self) -> bool:
         """Unsharded, and some shard was written since it was gathered: this rank's rows of
@@ -319,7 +250,6 @@ class Unit:
             # Collectives must complete on every rank before their buffers go back.
             self.wait_unshard()
         start = now()
-        self.release_sends()
         for p in self.params:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.sharded

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.comm.transport import own_message
 from ..engine.policies import MixedPrecisionPolicy
 from .units import PlanUnit
 
@@ -64,14 +63,8 @@ class UnitCost:
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
     direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
-    reduce_from: the compute dtype of each `reduce` group's gradients, in the same order
-      (the engine reduces a group in parts when it needs no cast: comm/transport.py).
     cast_grad_bytes: reduced gradients copied into the master dtype or to the host (the rest
       are views of the reduction's output).
-    small_gather: per `gather` group, the chunk numel of the parameters too small for a
-      message of their own when moving in parts (they travel packed together).
-    small_reduce: per `reduce` group, the elements of its pack when moving in parts: the
-      chunks of the gradients too small for a message (in the reduce dtype), and the flags.
     """
 
     name: str
@@ -88,10 +81,7 @@ class UnitCost:
     unsharded_bytes: int
     full_grad_bytes: int
     direct: bool
-    reduce_from: tuple[torch.dtype, ...] = ()
     cast_grad_bytes: int = 0
-    small_gather: tuple[int, ...] = ()
-    small_reduce: tuple[int, ...] = ()
 
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
@@ -111,9 +101,6 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     flag_count: dict[torch.dtype, int] = {}
     converted: dict[torch.dtype, int] = {}  # grads cast back to the master dtype (bytes)
     viewed: dict[torch.dtype, bool] = {}  # some grads are views of the reduction output
-    # Chunks too small for a message of their own ([Note: parameter messages]).
-    small_gather: dict[torch.dtype, int] = {}
-    small_reduce: dict[torch.dtype, int] = {}
     direct_all = True
     indirect: set[torch.dtype] = set()  # compute dtypes with a grad param that is not direct
     for p in unit.spec.params:
@@ -132,8 +119,6 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
         gather[cdtype] = gather.get(cdtype, 0) + C * row
-        small = C * row and not own_message(C * row, csize)
-        small_gather[cdtype] = small_gather.get(cdtype, 0) + (C * row if small else 0)
         if not direct:
             unsharded += S * C * row * csize  # (S*C, ...) storage while the unit is unsharded
         if p.requires_grad:
@@ -148,8 +133,6 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             if not direct:
                 indirect.add(cdtype)
             rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
-            small = C * row and not own_message(C * row, _size(rdtype))
-            small_reduce[cdtype] = small_reduce.get(cdtype, 0) + (C * row if small else 0) + 1
             if rdtype == p.dtype and not host_offload:
                 viewed[cdtype] = True
             else:
@@ -172,10 +155,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         shard_bytes=shard, grad_bytes=grads, state_bytes=state, state_params=state_params,
         largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
         unsharded_bytes=unsharded, full_grad_bytes=full_grads,
-        direct=direct_all and bool(unit.spec.params), reduce_from=tuple(grad_chunk),
+        direct=direct_all and bool(unit.spec.params),
         cast_grad_bytes=sum(converted.values()),
-        small_gather=tuple(small_gather[d] for d in gather),
-        small_reduce=tuple(small_reduce.get(d, 0) for d in grad_chunk),
     )
 
 

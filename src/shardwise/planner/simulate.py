@@ -29,7 +29,6 @@ import torch
 from ..engine.buffers import BufferPool
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
 from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
-from .copies import gathers_in_parts_by, reduces_in_parts_by
 from .memory import UnitCost, _size
 from .replay import ReplayUnit, replay_backward, replay_forward
 
@@ -93,16 +92,10 @@ class _SimUnit(ReplayUnit):
         super().__init__(i, reshard_after_forward)
         self.sim, self.cost = sim, sim.costs[i]
         self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        self.in_parts = False  # gathering in parts: the unsharded storage is counted
 
     def _issue_gather(self) -> None:
         sim = self.sim
-        if sim.S > 1 and gathers_in_parts_by(sim.transport):
-            # In parts ([Note: parameter messages]): the chunks arrive in the unsharded
-            # storage itself, allocated at issue; no flat output, no send buffer.
-            sim.t.add(self.cost.unsharded_bytes, "unsharded")
-            self.in_parts = True
-        elif sim.S > 1:
+        if sim.S > 1:
             for dtype, chunk in self.cost.gather:
                 # As the engine: the output first, then the send buffer its transport sizes
                 # (engine/comm/transport.py).
@@ -118,9 +111,7 @@ class _SimUnit(ReplayUnit):
                 self.gathers.append((send, out))
 
     def _gathered(self) -> None:
-        if not self.in_parts:
-            self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
-        self.in_parts = False
+        self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
         for send, out in self.gathers:
             if send is not None:
                 self.sim.release(send)
@@ -135,15 +126,9 @@ class _SimUnit(ReplayUnit):
         if not c.reduce:
             return ()
         parts = []
-        held = False  # the full gradients stay until the reduction ends (sent in parts)
-        for (rdtype, n, kept), cdtype in zip(c.reduce, c.reduce_from or
-                                             [None] * len(c.reduce)):
+        for rdtype, n, kept in c.reduce:
             rsize = _size(rdtype)
-            if sim.S > 1 and reduces_in_parts_by(sim.transport, rdtype, cdtype):
-                # In parts: no pack; the receive buffer is pooled, as in engine/reduce.py.
-                send = sim.get(n, rdtype)
-                out, extra, held = n * rsize, 0, True
-            elif sim.S > 1:
+            if sim.S > 1:
                 send = sim.get(n * sim.S, rdtype)
                 out = n * rsize  # fresh reduce-scatter output
                 # What the transport receives into before its local sum, held by the
@@ -156,15 +141,14 @@ class _SimUnit(ReplayUnit):
             sim.t.add(out, "grads")
             sim.t.add(extra, "comm")
             parts.append((send, out, extra, kept))
-        if not c.direct and not held:
+        if not c.direct:
             sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
-        return (_SimReduce(self, parts, held),)
+        return (_SimReduce(self, parts),)
 
 
 class _SimReduce:
-    def __init__(self, unit: _SimUnit, parts: list, held: bool = False) -> None:
-        self.unit, self.parts, self.held = unit, parts, held
-        self.released = False
+    def __init__(self, unit: _SimUnit, parts: list) -> None:
+        self.unit, self.parts = unit, parts
 
     def finish(self) -> None:
         sim = self.unit.sim
@@ -179,12 +163,6 @@ class _SimReduce:
         if self.unit.cost.direct:
             # Replaced by the result.
             sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
-
-    def release(self) -> None:
-        if self.held and not self.released:
-            # Sent from in parts until the peer has read them, as engine/reduce.py releases.
-            self.released = True
-            self.unit.sim.t.add(-self.unit.cost.full_grad_bytes, "full_grads")
 
 
 class _Sim:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ from .process_group import (
     group_ranks,
     init_process_group,
     is_initialized,
-    let_go_at_exit,
     rank,
     world_group,
     world_size,
@@ -38,9 +36,9 @@ from .work import Work, done, handoff, issue
 __all__ = [
     "Work", "all_gather_bytes", "all_gather_dim", "all_gather_floats", "backend", "broadcast_json",
     "destroy_process_group", "finish", "gather_bytes", "global_rank_of", "group_ranks",
-    "init_process_group", "is_initialized", "let_go_at_exit", "rank", "use_all_to_all",
+    "init_process_group", "is_initialized", "rank", "use_all_to_all",
     "world_group",
-    "world_size", "Agreement", "same_on_all_async",
+    "world_size",
 ]
 
 _FRESH = FreshBuffers()
@@ -76,7 +74,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | 
     """
     t = transport_for(group)
     n = shard.numel()
-    send = t.gather_buffer(n, shard.dtype, shard.device, _FRESH, output.view(-1))
+    send = t.gather_buffer(n, shard.dtype, shard.device, _FRESH)
     send[:n].copy_(shard.reshape(-1))
     return t.all_gather(output, send, n, async_op, label)
 
@@ -172,65 +170,6 @@ def same_on_all(value: int, group: ProcessGroup | None = None, label: str = "") 
         return True
     hi, neg_lo = _max_on_all([value, -value], group, "same_on_all", label)
     return hi == value and -neg_lo == value
-
-
-class Agreement(NamedTuple):
-    """`same_on_all_async`'s check in flight: `wait()` is True on every rank iff every rank
-    passed the same integer; `extra()` then holds each extra value's MAX over the ranks."""
-
-    work: Work
-    value: int
-    host: torch.Tensor  # (max value, max -value, *max extra) once waited
-    ready: Any = None  # CUDA: an event after the copy of the result to `host`
-
-    def wait(self) -> bool:
-        if self.ready is not None:
-            self.ready.synchronize()  # the all-reduce and its copy, not the work queued after
-        else:
-            self.work.wait()
-        hi, neg_lo = (int(x) for x in self.host[:2].tolist())
-        return hi == self.value and -neg_lo == self.value
-
-    def extra(self) -> list[int]:
-        """After `wait`: the MAX of each extra value passed to `same_on_all_async`."""
-        return [int(x) for x in self.host[2:].tolist()]
-
-
-def same_on_all_async(value: int, group: ProcessGroup | None = None, label: str = "",
-                      extra: Sequence[int] = ()) -> Agreement:
-    """`same_on_all`, issued now and answered by `wait()`: a check that overlaps compute.
-
-    `extra`: further integers (the same number on every rank) whose MAX over the ranks rides
-    in the same all-reduce (`Agreement.extra`): a second agreement at no extra round trip.
-    On a GPU the result is copied to pinned host memory on a side stream, so that the wait
-    waits for this all-reduce only, not for the kernels queued after it on the current stream.
-    """
-    t = torch.tensor([value, -value, *extra], dtype=torch.int64, device=byte_device(group))
-    if not is_initialized() or world_size(group) == 1:
-        return Agreement(Work(None, t), value, t)
-    handle, issued = issue("same_on_all", label, group, t, lambda: dist.all_reduce(
-        handoff(t), op=dist.ReduceOp.MAX, group=group, async_op=True))
-    work = done(handle, True, t, issued)
-    if t.device.type != "cuda":
-        return Agreement(work, value, t)
-    side = _side_stream(t.device)
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    with torch.cuda.stream(side):
-        work.wait()  # the side stream (current here) waits for the collective
-        host.copy_(t, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(side)
-    return Agreement(work, value, host, ready)
-
-
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    s = _SIDE_STREAMS.get(device)
-    if s is None:
-        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return s
 
 
 def barrier(group: ProcessGroup | None = None, label: str = "") -> None:

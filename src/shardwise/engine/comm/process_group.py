@@ -175,10 +175,11 @@ def finish() -> None:
     """
     if is_initialized():
         try:
-            _bounded_barrier(timeout_s or DEFAULT_TIMEOUT_S)
+            if not _failed:  # out of step with the peers: a barrier would pair wrongly
+                _bounded_barrier(timeout_s or DEFAULT_TIMEOUT_S)
         finally:
             dist.destroy_process_group()
-    wait_for_gloo_drops(_DRAIN_LIMIT_S)
+    wait_for_gloo_drops(_FAILED_DRAIN_S if _failed else _DRAIN_LIMIT_S)
 
 
 DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
@@ -197,22 +198,8 @@ _DRAIN_LIMIT_S = 10.0
 _FAILED_DRAIN_S = 1.0
 
 
-# Objects that keep an asynchronous collective of their own across steps (the freeze check's,
-# when a forward had no backward), told to let go of it before the drain counts what gloo
-# holds: a work object its caller still references keeps the tensor's alias alive, and the
-# drain waited out its whole bound (10 s) at the end of such a script.
-_holders: weakref.WeakSet = weakref.WeakSet()
-
-
-def let_go_at_exit(holder: Any) -> None:
-    """Have `holder.let_go()` called before the exit drain waits ([Note: gloo teardown])."""
-    _holders.add(holder)
-
-
 def wait_for_gloo_drops(limit_s: float) -> bool:
     """Sleep (GIL released) until gloo holds none of the handed tensors; False on timeout."""
-    for holder in list(_holders):
-        holder.let_go()
     deadline = time.monotonic() + limit_s
     pause = 0.0005
     while held_by_gloo():

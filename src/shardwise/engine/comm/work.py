@@ -41,37 +41,20 @@ class Work(NamedTuple):
     issued: Issued | None = None
 
     def wait(self) -> torch.Tensor:
-        self._handle_wait("wait")
+        self._handle_wait()
         if self.post is not None:
             self.post()
         return self.output
 
-    def wait_received(self) -> torch.Tensor:
-        """The output is ready, but what this rank sent may still be read by a peer
-        ([Note: one-copy release]): call `wait_sent` before freeing or reusing it."""
-        self._handle_wait("wait_received")
-        if self.post is not None:
-            self.post()
-        return self.output
-
-    def wait_sent(self) -> None:
-        """After `wait_received`: the peer is done with what this rank sent."""
-        self._handle_wait("wait")
-
-    def _handle_wait(self, how: str) -> None:
+    def _handle_wait(self) -> None:
         if self.handle is None:
             return
         try:
-            getattr(self.handle, how, self.handle.wait)()
+            self.handle.wait()  # type: ignore[attr-defined]
         except Exception as e:
             if self.issued is None or not D.is_comm_failure(e):
                 raise
             raise self.issued.failure(e) from e
-
-    @property
-    def sent(self) -> bool:
-        """Whether `wait_sent` would return at once (a question only)."""
-        return getattr(self.handle, "released", True)
 
 
 class Issued(NamedTuple):
