@@ -2,8 +2,9 @@
 
 Every case builds the folder's model on the meta device, shards it, loads, and compares each
 parameter's `full_tensor()` and every buffer with `AutoModelForCausalLM.from_pretrained`
-(`torch.equal`). Reads are counted under the loader (`safe_open` is wrapped): each rank must
-read exactly its own block of each sharded tensor, in the stored dtype, and buffers whole.
+(`torch.equal`). Reads are counted under the loader (its one pread path is wrapped, each
+read attributed to the tensor whose bytes it covers): each rank must read exactly its own
+block of each sharded tensor, in the stored dtype, and buffers whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import shardwise as sw
-from shardwise.checkpoint import pretrained_files
+from shardwise.checkpoint import block_reader, pretrained_files
 from shardwise.checkpoint.slots import model_view, owned_block
 from tests import hf_models as H
 
@@ -33,46 +34,35 @@ TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwisePar
 
 
 class _Counted:
-    """safe_open, counting the bytes of every block handed out, per key."""
+    """BlockReader._read, counting the bytes of every read by the stored key they fall in
+    (from the file's header: a read that straddles two tensors fails)."""
 
     reads: dict[str, int] = defaultdict(int)
+    where: dict[str, list[pretrained_files.StoredTensor]] = {}
 
-    def __init__(self, path: str, framework: str = "pt", **kw: Any) -> None:
-        self._f = _REAL_OPEN(path, framework=framework, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        t = self._f.get_tensor(key)
-        _Counted.reads[key] += t.numel() * t.element_size()
-        return t
-
-    def get_slice(self, key: str) -> Any:
-        sl = self._f.get_slice(key)
-
-        class _Slice:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(sl, name)
-
-            def __getitem__(self, idx: Any) -> torch.Tensor:
-                t = sl[idx]
-                _Counted.reads[key] += t.numel() * t.element_size()
-                return t
-
-        return _Slice()
+    @staticmethod
+    def read(reader: Any, path: str, offset: int, into: torch.Tensor) -> None:
+        n = into.numel()
+        owner = [st for st in _Counted.where[path]
+                 if st.offset <= offset and offset + n <= st.offset + st.nbytes]
+        assert len(owner) == 1 and n > 0, (path, offset, n)
+        _Counted.reads[owner[0].key] += n
+        _REAL_READ(reader, path, offset, into)
 
 
-_REAL_OPEN = pretrained_files.safe_open
+_REAL_READ = block_reader.BlockReader._read
 
 
 def counted_load(model: nn.Module, folder: str, **kw: Any) -> tuple[sw.LoadResult, dict]:
     _Counted.reads = defaultdict(int)
-    pretrained_files.safe_open = _Counted  # type: ignore[assignment]
+    _Counted.where = defaultdict(list)
+    for st in pretrained_files.find_files(folder).tensors.values():
+        _Counted.where[st.file].append(st)
+    block_reader.BlockReader._read = _Counted.read  # type: ignore[method-assign]
     try:
         result = sw.load_pretrained(model, folder, **kw)
     finally:
-        pretrained_files.safe_open = _REAL_OPEN
+        block_reader.BlockReader._read = _REAL_READ  # type: ignore[method-assign]
     return result, dict(_Counted.reads)
 
 

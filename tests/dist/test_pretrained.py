@@ -10,6 +10,7 @@ import torch
 from shardwise.checkpoint.pretrained_files import find_files
 from shardwise.testing import run_distributed
 from tests import hf_models as H
+from tests.dist import pretrained_limits_workers as L
 from tests.dist import pretrained_workers as W
 
 
@@ -91,3 +92,44 @@ def test_keys_refusals_and_peft(folders: dict[str, str], tmp_path: Path) -> None
     paths["peft-prefixed"] = _save(tmp_path / "peft-prefixed.safetensors", {
         k.replace("base_layer.", "").replace(".default.", "."): v for k, v in full_sd.items()})
     run_distributed(W.keys_and_peft, 2, paths)
+
+
+def _corrupt(path: Path, key: str, start: int, nbytes: int) -> None:
+    """Overwrite `nbytes` of `key`'s data, from its byte `start`, with 0xff (NaN as fp32)."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(n))[key]["data_offsets"]
+        assert 0 <= start and start + nbytes <= end - begin
+        f.seek(8 + n + begin + start)
+        f.write(b"\xff" * nbytes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_weights_are_named_at_load(world: int, tmp_path: Path) -> None:
+    """Issue 37: 1000 bytes of 0xff in a file's data region loaded without a word (the run
+    then stopped at step 1 blaming training). The embedding's NaN span two ranks' rows (3
+    ranks: one), the head's only the last rank's: every rank names both, with the counts
+    safetensors' own load finds."""
+    from safetensors.torch import load_file
+
+    folder = H.save_tiny("llama", tmp_path / "llama", max_shard_size="8KB")
+    files = {k: f for f in H.safetensors_files(folder) for k in load_file(str(f))}
+    _corrupt(files["model.embed_tokens.weight"], "model.embed_tokens.weight", 2000, 1000)
+    _corrupt(files["lm_head.weight"], "lm_head.weight", 53 * 24 * 4 - 400, 400)
+    expected = {k: int((~torch.isfinite(t)).sum()) for f in set(files.values())
+                for k, t in load_file(str(f)).items() if not torch.isfinite(t).all()}
+    assert expected == {"model.embed_tokens.weight": 250, "lm_head.weight": 100}, expected
+    run_distributed(L.nonfinite, world, folder, expected)
+
+
+def test_mapped_file_bytes_stay_under_the_buffer(tmp_path: Path) -> None:
+    """Issue 37: the read buffer was bounded per file (a file was unmapped after 64 MiB read
+    through it), so a model in many smaller files stayed mapped to the end of the load. With
+    an 8 KiB buffer and files of ~8 KB (each rank reads less than the buffer through each),
+    the folder's resident mapped bytes, sampled before each tensor's read, stay within it."""
+    folder = H.save_tiny("llama", tmp_path / "many", max_shard_size="8KB")
+    assert len(H.safetensors_files(folder)) >= 5
+    run_distributed(L.bounded, 2, folder, 8192)

@@ -337,6 +337,8 @@ CASES: list[Case] = [
         "model.safetensors", lambda: sw.load_pretrained(sharded(), empty_dir())),
     api("load_pretrained(strict)", "'yes'", f"strict='yes' {P}",
         lambda: sw.load_pretrained(sharded(), NO_SUCH, strict="yes")),  # type: ignore
+    api("load_pretrained(allow_nonfinite)", "'no'", f"allow_nonfinite='no' {P}",
+        lambda: sw.load_pretrained(sharded(), NO_SUCH, allow_nonfinite="no")),  # type: ignore
     # no_sync, materialize, precision_plan
     api("no_sync(model)", "'m'", f"model='m' {P}", lambda: sw.no_sync("m").__enter__()),
     api("no_sync(model)", "(not sharded)", "no_sync needs a sharded model",

@@ -1,5 +1,6 @@
 """`save_checkpoint` refuses NaN/inf: a checkpoint is what a run resumes from, so a non-finite
-one would turn every later restart into the same failure.
+one would turn every later restart into the same failure. `load_pretrained` counts them in
+each block it reads with `count_nonfinite` (checkpoint/block_reader.py).
 
 Each rank checks only the rows it holds; `save_checkpoint` agrees on the result before any
 file is written, so the error is raised on every rank and nothing is left on disk.
@@ -17,18 +18,22 @@ import torch
 from .slots import Slot
 
 
+def count_nonfinite(t: torch.Tensor) -> int:
+    """How many NaN/inf values `t` holds (0 for integer and bool tensors)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return 0
+    # A sum is finite only if every element is (NaN and inf propagate), and it costs one
+    # read; the exact, allocating scan runs only when the sum is not finite, which a finite
+    # tensor can also cause by overflowing.
+    if torch.isfinite(t.sum(dtype=torch.float64) if t.is_floating_point() else t.sum()):
+        return 0
+    return int((~torch.isfinite(t)).sum().item())
+
+
 def first_nonfinite(slots: list[Slot]) -> tuple[str, int] | None:
     """(name, count of NaN/inf values) of the first floating tensor with any, else None."""
     for s in slots:
-        t = s.local
-        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-            continue
-        # A sum is finite only if every element is (NaN and inf propagate), and it costs one
-        # read; the exact, allocating scan runs only when the sum is not finite, which a
-        # finite tensor can also cause by overflowing.
-        if torch.isfinite(t.sum(dtype=torch.float64) if t.is_floating_point() else t.sum()):
-            continue
-        bad = int((~torch.isfinite(t)).sum().item())
+        bad = count_nonfinite(s.local)
         if bad:
             return s.name, bad
     return None

@@ -12,8 +12,9 @@ Order of work, so that a refusal leaves every rank untouched:
 1. plan: resolve the files, read the headers, map keys, check missing keys, shapes and
    meta tensors nothing will fill; every rank agrees on the outcome (`sync.agreed`, one
    all-reduce) before anything is written;
-2. read: meta parameters into new shards (committed in step 3), materialized ones in place;
-3. commit: new shards replace meta parameters, buffers are set, and buffers that are
+2. read: meta parameters into new shards (committed in step 4), materialized ones in place;
+3. verdict: NaN/inf read by any rank raise on every rank, naming them (pretrained_finite.py);
+4. commit: new shards replace meta parameters, buffers are set, and buffers that are
    computed rather than stored (rotary `inv_freq`) are computed as transformers does.
 """
 
@@ -33,9 +34,11 @@ from ..engine.inspect import units_of
 from ..engine.materialize import _still_unfilled, _unfilled
 from ..engine.model_group import model_group
 from ..engine.sharded_param import ShardedParam
+from .block_reader import DEFAULT_BUFFER_BYTES, BlockReader
 from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
 from .manifest import CheckpointError
-from .pretrained_files import DEFAULT_BUFFER_BYTES, BlockReader, StoredTensor, find_files
+from .pretrained_files import StoredTensor, find_files
+from .pretrained_finite import agree_finite
 from .slots import ModelEntry, ModelView, model_view, owned_block, set_plain
 from .sync import agreed, as_error
 
@@ -161,7 +164,10 @@ def _check_tied_copies(path: str, copies: list[tuple[ModelEntry, StoredTensor, S
             mine, other = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
             reader.read_into(a, block, mine)
             reader.read_into(b, block, other)
-            if not torch.equal(mine, other):
+            # NaN equals NaN here: identical copies load as one (and the read's finite
+            # check names the NaN).
+            if not torch.equal(mine, other) and not bool(
+                    ((mine == other) | (mine.isnan() & other.isnan())).all()):
                 raise ValueError(
                     f"{path}: {a.key} and {b.key} hold different values, but the model ties "
                     f"them (one parameter, {e.key}); from_pretrained would untie them. Build "
@@ -191,7 +197,8 @@ def _meta_buffers(model: nn.Module, stored: set[str]) -> list[tuple[str, nn.Modu
     return out
 
 
-def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) -> LoadResult:
+def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
+                    allow_nonfinite: bool = False) -> LoadResult:
     """Load pretrained weights from `path` into the sharded `model`; every rank of the model
     must call it (on a subgroup, no other rank: the agreements run over the model's ranks).
 
@@ -208,6 +215,11 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) ->
     (initialize the model with `sw.materialize` first; otherwise ValueError names it).
     Unexpected keys are reported, never refused, as in transformers.
 
+    `allow_nonfinite`: NaN/inf values read (counted in the parameter's dtype, so a value
+    that overflows it counts too) raise ValueError on every rank, naming each file, key and
+    how many values, before new shards replace meta parameters (pretrained_finite.py);
+    True loads them anyway.
+
     Meta parameters become new Parameter objects: build the optimizer afterwards. A read
     failure (an I/O error) raises on every rank; parameters that were already materialized
     may then hold part of the new weights.
@@ -218,6 +230,7 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) ->
         check_module("model", model)
         where = check_path("path", path)
         check_bool("strict", strict)
+        check_bool("allow_nonfinite", allow_nonfinite)
         reshard_between_steps(model, "load_pretrained")
         view = model_view(model)
         plan = _plan(model, view, where, strict)
@@ -243,6 +256,9 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True) ->
                         plain.append((e.key, e.tensor, value.reshape(e.shape)))
         finally:
             reader.close()
+    if not allow_nonfinite:
+        in_place = any(e.key in plan.sources and not _is_meta(e) for e in view.entries)
+        agree_finite(reader.nonfinite, where, group, in_place)
 
     # Everything was read: commit (no collectives, nothing that can fail on bad data).
     with torch.no_grad():

@@ -7,14 +7,8 @@ A path given to `load_pretrained` resolves to safetensors files and the tensors 
     folder/adapter_model.safetensors       a peft adapter folder (no base weights beside it)
     file.safetensors                       that one file
 
-Only headers are read here (shapes and dtypes); `BlockReader` reads tensor blocks.
-
-[Note: bounded reads] `safe_open(...).get_slice(key)[block]` returns a view of the file's
-memory map, so a block is copied straight into the shard that keeps it (converting the dtype
-on the way) with no intermediate buffer. The pages it touched stay mapped, and mapped file
-pages count as this process's resident memory, so the reader unmaps a file (drops its
-handle) once `buffer_bytes` have been read through it, and copies a larger block in row
-chunks of at most `buffer_bytes`. A rank's memory is then its shards plus one such buffer.
+Only headers are read here (shapes, dtypes and where each tensor's bytes are);
+block_reader.py reads tensor blocks ([Note: bounded reads]).
 """
 
 from __future__ import annotations
@@ -29,12 +23,11 @@ from safetensors import SafetensorError, safe_open
 
 from .manifest import MANIFEST, CheckpointError
 from .reader import _ST_TO_NAME
-from .safetensors_io import dtype_from_name
+from .safetensors_io import data_offsets, dtype_from_name
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 ADAPTER = "adapter_model.safetensors"
-DEFAULT_BUFFER_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -43,6 +36,7 @@ class StoredTensor:
     file: str  # absolute path of the file holding it
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = 0  # where its bytes start in the file
 
     @property
     def nbytes(self) -> int:
@@ -68,14 +62,20 @@ def _dtype(st: str, where: str) -> torch.dtype:
 def _header(path: str) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """Every tensor of one safetensors file (header only), and its metadata."""
     try:
+        # safe_open validates the header (offsets against shapes and the file's size).
         f = safe_open(path, framework="pt")
+        start, offsets = data_offsets(path)
         out = {}
         for key in f.keys():
             sl = f.get_slice(key)
-            out[key] = StoredTensor(key, path, tuple(sl.get_shape()),
-                                    _dtype(sl.get_dtype(), f"{path}: {key}"))
+            st = StoredTensor(key, path, tuple(sl.get_shape()),
+                              _dtype(sl.get_dtype(), f"{path}: {key}"), start + offsets[key][0])
+            if offsets[key][1] - offsets[key][0] != st.nbytes:
+                raise CheckpointError(f"{path}: {key} holds {offsets[key][1] - offsets[key][0]} "
+                                      f"bytes, its shape and dtype need {st.nbytes}")
+            out[key] = st
         return out, dict(f.metadata() or {})
-    except (SafetensorError, OSError) as e:
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
 
 
@@ -145,62 +145,3 @@ def find_files(path: str) -> PretrainedFiles:
                 raise CheckpointError(f"{os.path.join(full, INDEX)} maps {key} to {name}, "
                                       "but that file does not hold it")
     return PretrainedFiles(full, files, tensors, tied)
-
-
-class BlockReader:
-    """Copies blocks of stored tensors into tensors the caller owns; see [Note: bounded reads].
-
-    `bytes_read` counts the stored bytes of every block read (what this rank pulled from
-    disk or the page cache).
-    """
-
-    def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
-        self.buffer_bytes = buffer_bytes
-        self.bytes_read = 0
-        self._open: dict[str, tuple[object, int]] = {}  # file -> (handle, bytes through it)
-
-    def _handle(self, path: str) -> object:
-        if path not in self._open:
-            try:
-                self._open[path] = (safe_open(path, framework="pt"), 0)
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{path} is not a readable safetensors file: {e}") \
-                    from None
-        return self._open[path][0]
-
-    def _count(self, path: str, nbytes: int) -> None:
-        self.bytes_read += nbytes
-        handle, n = self._open[path]
-        if n + nbytes >= self.buffer_bytes:
-            del self._open[path]  # unmap: its touched pages leave this process's RSS
-        else:
-            self._open[path] = (handle, n + nbytes)
-
-    def read_into(self, st: StoredTensor, block: tuple[slice, ...], out: torch.Tensor) -> None:
-        """Copy `st[block]` into `out` (shaped like the block; 0-d: one row)."""
-        if not st.shape:  # a 0-d tensor: slices do not apply
-            if block[0].stop == block[0].start:
-                return  # an empty shard (its one row is another rank's): nothing to read
-            value = self._handle(st.file).get_tensor(st.key)  # type: ignore[attr-defined]
-            out.copy_(value.reshape(out.shape))
-            self._count(st.file, st.dtype.itemsize)
-            return
-        rows = block[0].stop - block[0].start
-        if rows == 0:
-            return
-        row_bytes = math.prod(s.stop - s.start for s in block[1:]) * st.dtype.itemsize
-        step = max(1, self.buffer_bytes // max(row_bytes, 1))
-        for lo in range(0, rows, step):
-            hi = min(rows, lo + step)
-            a = block[0].start
-            try:
-                sl = self._handle(st.file).get_slice(st.key)  # type: ignore[attr-defined]
-                view = sl[(slice(a + lo, a + hi), *block[1:])]
-                out[lo:hi].copy_(view.reshape(out[lo:hi].shape))
-            except SafetensorError as e:
-                raise CheckpointError(f"{st.file}: cannot read {st.key}: {e}") from None
-            del sl, view  # the views pin the mapping
-            self._count(st.file, (hi - lo) * row_bytes)
-
-    def close(self) -> None:
-        self._open.clear()

@@ -82,6 +82,33 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None) -> b
     return struct.pack("<Q", len(blob)) + blob
 
 
+def data_offsets(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Where each tensor's bytes are in a safetensors file: (the data section's start,
+    key -> [begin, end) relative to it), from the header alone.
+
+    safetensors' reader validates the header (shapes, dtypes, offsets inside the file) but
+    does not expose the offsets; a reader that copies bytes with pread needs them.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        blob = f.read(n)
+    if len(blob) != n:
+        raise ValueError(f"{path}: the header says {n} bytes, the file holds {len(blob)}")
+    header = json.loads(blob)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[key] = (int(begin), int(end))
+    return 8 + n, out
+
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order (on the CPU; 0-d and bf16 included)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
