@@ -176,7 +176,12 @@ def main(argv: list[str]) -> int:
         print(O.help_text())
         return 0
     from ..launch import Interrupted, WorkerFailure, launch, under_torchrun
+    from ..launchers import use_slurm_env
 
+    try:
+        use_slurm_env()  # a task of `srun` (no torchrun): its SLURM_* give the ranks
+    except ValueError as e:
+        return report(PROG, e)
     if under_torchrun():
         return _under_torchrun(argv)
     try:
@@ -228,6 +233,23 @@ def _config_from_dict(d: dict[str, Any]) -> C.Config:
     return C.Config(**{k: (classes[k](**v) if k in classes else v) for k, v in d.items()})
 
 
+def config_on_every_rank(argv: list[str], rank: int) -> C.Config:
+    """Rank 0 resolves the config from `argv`; every rank of the existing process group
+    gets it, or rank 0's ValueError."""
+    from shardwise.engine.comm import collectives
+
+    answer: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            answer = {"config": dataclasses.asdict(load_config(argv))}
+        except ValueError as e:
+            answer = {"error": str(e)}
+    answer = collectives.broadcast_json(answer, src=0)
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    return _config_from_dict(answer["config"])
+
+
 def _under_torchrun(argv: list[str]) -> int:
     """Rank 0 resolves the config (and the run folder's name); every rank gets its answer.
 
@@ -239,19 +261,13 @@ def _under_torchrun(argv: list[str]) -> int:
     from shardwise.engine.comm import collectives
 
     rank, _, _ = sw.init_distributed()
-    answer: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            answer = {"config": dataclasses.asdict(load_config(argv))}
-        except ValueError as e:
-            answer = {"error": str(e)}
-    answer = collectives.broadcast_json(answer, src=0)
-    if "error" in answer:
+    try:
+        cfg = config_on_every_rank(argv, rank)
+    except ValueError as e:
         if rank == 0:
-            report(PROG, ValueError(answer["error"]))
+            report(PROG, e)
         collectives.finish()
         return 2
-    cfg = _config_from_dict(answer["config"])
     try:
         result = worker(cfg)
     except tuple(expected_errors()) as e:

@@ -51,6 +51,8 @@ class ConsoleReporter:
         # whose carriage returns would pile up in the file.
         self.plain_every = 0
         self.tp = 1
+        self.world = 1
+        self.mfu: dict[str, Any] | None = None  # start's FLOPs and peak, when known
 
     def start(self, info: dict[str, Any]) -> None:
         cfg: C.Config = info["config"]
@@ -70,6 +72,8 @@ class ConsoleReporter:
             g = cfg.model.gpt()
             print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M "
                   f"params, {g.n_layer} layers, d={g.d_model}, context {g.block_size}) {where}")
+        if "topology" in info:
+            print(f"  {_topology(info['topology'])}")
         print(f"  {s.sharding_strategy}, wrap={s.auto_wrap_policy}, precision={s.mixed_precision}"
               f", cpu_offload={s.cpu_offload}{two_d}; each rank holds {info['local_params']:,} of "
               f"{info['params']:,} parameters")
@@ -92,6 +96,7 @@ class ConsoleReporter:
                   "latest checkpoint")
         print(f"  run folder: {info['run_dir']}")
         self.start_step, self.steps = info["start_step"], info["steps"]
+        self.world, self.mfu = info["world"], info if info.get("flops_per_token") else None
         self.tp = tp
         if sys.stdout.isatty():
             self.bar = tqdm(total=info["steps"], initial=info["start_step"], desc="train",
@@ -109,6 +114,8 @@ class ConsoleReporter:
         line = (f"loss {record['loss']:.3f} | lr {record['lr']:.2e} | gnorm "
                 f"{record['grad_norm']:.3g} | {self.tok_s:,.0f} tok/s | "
                 f"mem {_mem(record['memory_mb'])}")
+        if "mfu_pct" in record:
+            line += f" | mfu {record['mfu_pct']:.1f}%"
         if self.bar is not None:
             self.bar.set_postfix_str(line, refresh=False)  # the bar shows elapsed and ETA
             self.bar.update(1)
@@ -142,6 +149,8 @@ class ConsoleReporter:
                   "initialization and is not timed (run 2 or more steps)")
         else:
             print(f"  throughput       {s['tokens_per_s']:,.0f} tokens/s (all ranks)")
+            if self.mfu:
+                print(f"  {_mfu_line(self.mfu, s['tokens_per_s'], self.world)}")
         kind = "GPU allocated" if s["device"] == "cuda" else "RSS"
         print(f"  peak memory      {_mem(s['peak_memory_mb'])} per rank ({kind}, training); "
               f"unsharded about {_mem(unsharded)}")
@@ -169,6 +178,20 @@ class ConsoleReporter:
             _print_trace(s["trace"])
         if s["sample"]:
             print("\nsample:\n" + s["sample"].rstrip() + "\n")
+
+
+def _topology(t: dict[str, Any]) -> str:
+    nodes = (f"{t['nodes']} node{'s' if t['nodes'] != 1 else ''} x {t['ranks_per_node']} "
+             "ranks" if t["nodes"] else f"{t['world']} ranks (uneven over nodes)")
+    return f"topology: {nodes} (launched by {t['launcher']}); mesh {t['mesh']}"
+
+
+def _mfu_line(info: dict[str, Any], tokens_per_s: float, world: int) -> str:
+    """MFU over the timed steps: model FLOPs per token x tokens/s per device / peak."""
+    achieved = info["flops_per_token"] * tokens_per_s / world / 1e12
+    return (f"MFU              {100 * achieved / info['peak_tflops']:.1f}% ({achieved:.3g} of "
+            f"{info['peak_tflops']:.3g} TFLOP/s per device; peak: {info['peak_source']}; "
+            f"{info['flops_per_token'] / 1e6:.3g} MFLOPs per token)")
 
 
 def _print_trace(tr: dict[str, Any]) -> None:

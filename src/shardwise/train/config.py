@@ -291,6 +291,10 @@ class LogSection:
     trace_steps: with --trace: how many steps to trace (traces grow with every step).
     trace_after: with --trace: steps to run before tracing starts (the first step pays for
         lazy initialization and records the prefetch order).
+    to: more metric sinks, comma-separated: tensorboard, wandb (offline), mlflow (a local
+        file store), csv; each writes into the run folder (docs/training.md).
+    peak_tflops: one device's peak TFLOP/s for MFU (0: a GPU's datasheet figure, else a
+        matmul measured at start-up).
     """
 
     event_steps: int = 5
@@ -298,9 +302,15 @@ class LogSection:
     sample_prompt: str = "def "
     trace_steps: int = 3
     trace_after: int = 1
+    to: str = ""
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         _typed("log", self)
+        from ..observe.metric_sinks import parse_sinks
+
+        parse_sinks(self.to)  # an unknown or uninstalled sink fails here, before launch
+        _positive("log", self, "peak_tflops", zero_ok=True)
         _check(self.event_steps >= -1, f"log.event_steps={self.event_steps!r} must be >= -1")
         _positive("log", self, "sample_tokens", zero_ok=True)
         _check(len(self.sample_prompt.encode()) > 0, "log.sample_prompt must not be empty")

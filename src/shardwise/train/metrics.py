@@ -94,3 +94,53 @@ class MetricsFile:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def reserved_peak_mb(device: torch.device) -> float:
+    """The most memory this process held from the system: on a GPU the caching allocator's
+    peak reserved pool (torchtitan's memory/max_reserved), on a CPU the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / MB
+    return peak_memory_mb(device)
+
+
+class MetricLog:
+    """Rank 0's metric output: metrics.jsonl, and the sinks chosen with --log.to, which get
+    each record's scalars under torchtitan's names (observe/metric_sinks.py)."""
+
+    def __init__(self, run_dir: Path, sinks: list[str], name: str, config: dict[str, Any],
+                 world: int) -> None:
+        from ..observe.metric_sinks import open_sinks
+
+        self.file = MetricsFile(run_dir / "metrics.jsonl")
+        self.world = world
+        self.sinks = open_sinks(sinks, run_dir, name, config)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(record)
+        if self.sinks:
+            from ..observe.metric_sinks import torchtitan_scalars
+
+            scalars = torchtitan_scalars(record, self.world)
+            for sink in self.sinks:
+                sink.log(scalars, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_metric_log(cfg: Any, run_dir: Path, world: int) -> MetricLog:
+    """The MetricLog of a `shardwise train` run (`cfg`: its train.config.Config)."""
+    import dataclasses
+
+    from ..observe.metric_sinks import parse_sinks
+
+    flat: dict[str, Any] = {}
+    for key, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return MetricLog(run_dir, parse_sinks(cfg.log.to), cfg.name, flat, world)

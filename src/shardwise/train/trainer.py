@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
 
+from .. import launchers
 from ..engine.comm import collectives as Cm
 from ..engine.dtensor import local_of
 from ..observe.sinks import set_step
@@ -32,10 +33,18 @@ from .build import Built, build, build_gpt
 from .checkpointing import resume, save, saved_tokens_per_step
 from .config import Config, TrainSection
 from .faults import FaultInjector
+from .flops import Utilization
 from .guard import NonFiniteGuard
 from .identity import run_keys
 from .losses import counted_targets, evaluate
-from .metrics import MB, MetricsFile, memory_mb, peak_memory_mb, training_state_bytes
+from .metrics import (
+    MB,
+    memory_mb,
+    open_metric_log,
+    peak_memory_mb,
+    reserved_peak_mb,
+    training_state_bytes,
+)
 from .model import GPT
 from .sampling import ByteCodec, HFCodec, sample_text
 from .tensor_parallel import check_world
@@ -211,7 +220,11 @@ class Trainer:
         self.tokens_per_step = t.batch_size * seq * t.grad_accum * self.dp_world
         # A resume at another data-parallel size changes the global batch; said once, here.
         saved_tps = saved_tokens_per_step(self.run_dir) if cfg.resume else None
+        # Every rank at once: a CPU's peak is measured under the load training will put on it.
+        self.mfu = Utilization.for_run(cfg, self.n_trainable, self.device, self.world)
         self.rep.start({
+            "topology": launchers.topology(self.world, cfg.shard.sharding_strategy,
+                                           cfg.parallel.tp), **self.mfu.info(),
             "run_dir": str(self.run_dir), "world": self.world, "device": str(self.device),
             "params": self.n_params, "local_params": self.local_params,
             "start_step": self.start, "steps": self.end, "tokens_per_step": self.tokens_per_step,
@@ -228,7 +241,7 @@ class Trainer:
         self.count_until = (self.start + max(cfg.log.event_steps, 3)
                             if cfg.log.event_steps >= 0 else self.end)
         self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.metrics = open_metric_log(cfg, self.run_dir, self.world) if self.rank == 0 else None
         self.val_loss = math.nan
         self.losses: list[float] = []  # applied steps only
         self.timed_tokens, self.timed_s = 0, 0.0
@@ -295,6 +308,8 @@ class Trainer:
             self.losses.append(r.loss)
         record = {"step": step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                   "tokens_per_s": self.tokens_per_step / r.seconds,
+                  **self.mfu.figures(self.tokens_per_step / r.seconds),
+                  "max_memory_mb": round(reserved_peak_mb(self.device), 1),
                   "memory_mb": [round(m, 1) for m in r.memory_mb],
                   "time_s": round(time.perf_counter() - self.t_begin, 3)}
         counted = self.events.counter.by_step
