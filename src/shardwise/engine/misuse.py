@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,9 +19,12 @@ def watch_optimizers() -> None:
     gradient again: its step would do nothing, every step, without a word.
     """
     global _registered
-    if _registered:
+    if _registered or os.environ.get("SHARDWISE_CHECK_OPTIMIZERS", "1") == "0":
         return
     _registered = True
+    # The one process-wide hook shardwise installs (docs/design.md, "Global effects"): torch
+    # has no per-parameter step hook, and an optimizer built before sharding cannot be told
+    # apart from the parameters alone. It costs one attribute read per step once checked.
     register_optimizer_step_pre_hook(_check_step)
 
 

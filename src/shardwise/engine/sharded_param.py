@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
-from . import optim_step
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -129,8 +128,6 @@ class ShardedParam:
         self.local = padded[: self.local_rows]
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
         face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
-        if self.spec is not None:
-            optim_step.ensure_registered()  # [Note: optimizer fast path]
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
         # Direct: one rank holds everything in the compute dtype on the compute device, so

@@ -24,21 +24,24 @@ before exit (0.1 s, the old fix) narrows it. It is closed here instead by knowin
 drops have happened: every tensor shardwise hands to a gloo collective is a fresh alias
 (`handoff`), of which shardwise keeps only a weak reference. The alias's Python object dies
 exactly when gloo's last reference to it goes. At exit (an `atexit` handler registered when
-shardwise first communicates, or `finish()`), after a barrier with the peers and
+shardwise first communicates, unless SHARDWISE_EXIT_DRAIN=0; or `finish()`), after a
+barrier with the peers and
 destroy_process_group, the process waits, with the GIL released, until every alias is dead.
 No worker thread then holds anything that needs the GIL, whenever finalization starts.
 Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
 
 The barrier is skipped when this process is ending with a non-zero status: an uncaught
-exception, a collective that failed here, or `sys.exit(code)` with a non-zero code (the CLI's
-handled errors end that way). A peer may then be dead, or still inside a collective this
-rank will never join; a barrier would pair with that collective and both would wait out the
-collective timeout. Skipping it, this rank tears down at once, its connections close, and
-the peer's pending collective fails within moments ("Connection closed by peer"): the whole
-exit then takes seconds, not the timeout (measured in tests/e2e/test_exit.py). On a clean
-end the barrier waits, bounded by the collective timeout, for peers that are still working;
-a failed barrier is a warning, never a changed exit status. The wait for gloo's drops is
-bounded too, so a collective stuck on a dead peer cannot hold the exit either.
+exception, a collective that failed here, or a status declared with `ending_with(code)` (the
+CLI's handled errors; CPython keeps no record of a `sys.exit` code that an exit handler
+could read, and a library must not replace `sys.exit` to learn it). A peer may then be dead,
+or still inside a collective this rank will never join; a barrier would pair with that
+collective and both would wait out the collective timeout. Skipping it, this rank tears down
+at once, its connections close, and the peer's pending collective fails within moments
+("Connection closed by peer"): the whole exit then takes seconds, not the timeout (measured
+in tests/e2e/test_exit.py). On a clean end the barrier waits, bounded by the collective
+timeout, for peers that are still working; a failed barrier is a warning, never a changed
+exit status. The wait for gloo's drops is bounded too, so a collective stuck on a dead peer
+cannot hold the exit either.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ _PRUNE_AT = 256
 _exit_registered = False
 # Set when a collective failed in this process: at exit, do not wait for peers.
 _failed = False
-# The status this process is ending with, when it ends through sys.exit (None: not known).
+# The status this process declared it is ending with (`ending_with`; None: not known).
 _exit_status: int | None = None
 
 
@@ -98,33 +101,14 @@ def communicating() -> None:
     global _exit_registered
     if not _exit_registered:
         _exit_registered = True
-        atexit.register(_at_exit)
-        _watch_sys_exit()
+        if os.environ.get("SHARDWISE_EXIT_DRAIN", "1") != "0":
+            atexit.register(_at_exit)
 
 
 def ending_with(status: int) -> None:
     """Record the status this process is about to exit with (the exit drain reads it)."""
     global _exit_status
     _exit_status = status
-
-
-def _watch_sys_exit() -> None:
-    """Let the exit drain see `sys.exit(code)`.
-
-    CPython keeps no record of a SystemExit's code for exit handlers to read (unlike an
-    uncaught exception's `sys.last_exc`), and a rank ending with `sys.exit(1)` must not wait
-    at a barrier ([Note: gloo teardown]). So sys.exit notes the code, then exits as before.
-    """
-    real = sys.exit
-    if getattr(real, "_shardwise_watch", False):
-        return
-
-    def exit(status: object = None) -> None:  # noqa: A001 - stands in for sys.exit
-        ending_with(0 if status is None else status if isinstance(status, int) else 1)
-        real(status)
-
-    exit._shardwise_watch = True  # type: ignore[attr-defined]
-    sys.exit = exit
 
 
 def mark_failed() -> None:
@@ -219,7 +203,7 @@ def ending_with_error() -> bool:
 
 def _ending_with_error() -> bool:
     # CPython stores an uncaught exception (KeyboardInterrupt included) here before it runs
-    # the exit handlers; sys.exit's code is recorded by _watch_sys_exit.
+    # the exit handlers; a sys.exit code only when declared with ending_with.
     return _failed or getattr(sys, "last_value", None) is not None \
         or getattr(sys, "last_exc", None) is not None or _exit_status not in (None, 0)
 
