@@ -52,13 +52,16 @@ def _reference(ws: Path, steps: int) -> tuple[list[float], torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
     from shardwise.train import token_cache as TC
+    from shardwise.train import token_parts as P
 
     with contextlib.chdir(ws):  # the saved data.path is relative to where the run started
         cfg = O.build(O.read_toml(ws / "runs" / "full" / "config.toml"))
     data = TC.prepare(ws / "text.txt", ws / "llama", ws / "runs" / "token-cache")
-    parts = TC.split(data, cfg.data.val_fraction, SEQ)
+    pieces = P.pieces(data, SEQ + 1)
+    held = P.held_out(pieces, cfg.data.val_fraction, cfg.data.seed)
+    train = P.Mixture([P.TokenPart(data, pieces, ~held, SEQ, packed=True)], [1.0])
     # One rank reading the global batch: the 2 ranks' slices, in rank order.
-    stream = TC.TokenBatchStream(parts.train, SEQ, BATCH * WORLD, 0, 1, cfg.data.seed)
+    stream = P.TokenBatchStream(train, SEQ, BATCH * WORLD, 0, 1, cfg.data.seed)
     model = AutoModelForCausalLM.from_pretrained(str(ws / "llama"), dtype=torch.float32)
     params = [p for p in model.parameters()]
     t = cfg.train
@@ -70,12 +73,11 @@ def _reference(ws: Path, steps: int) -> tuple[list[float], torch.nn.Module]:
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
-        x, y = stream.next()
-        # Each rank's mean over its own rows, then the ranks' mean (every target counts here).
-        per_rank = [F.cross_entropy(model(input_ids=x[r * BATCH:(r + 1) * BATCH]).logits
-                                    .flatten(0, 1), y[r * BATCH:(r + 1) * BATCH].flatten())
-                    for r in range(WORLD)]
-        loss = sum(per_rank) / WORLD
+        x, y, pos = stream.next()
+        # The mean over every counted target of the global batch (positions restart where
+        # a held-out piece was cut out of the text: token_parts.py).
+        logits = model(input_ids=x, position_ids=pos, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from shardwise.train import hf_data as H
 from shardwise.train import token_cache as TC
@@ -51,6 +50,8 @@ def test_text_documents_are_packed_with_eos_in_path_order(tmp_path, folders, tok
     assert data.tokens.tolist() == want and data.tokens.dtype == np.uint16
     assert data.mask.tolist() == [1] * len(want)  # text: every token counts, EOS included
     assert data.meta["documents"] == 4 and data.meta["counted"] == len(want)
+    assert data.docs.tolist() == [0, want.index(eos) + 1, *[
+        i + 1 for i, t in enumerate(want) if t == eos][1:3]]  # where each document starts
 
 
 def test_long_text_is_tokenized_in_pieces_with_the_same_ids(tmp_path, folders, tok,
@@ -170,56 +171,6 @@ def test_an_id_past_the_file_dtype_is_refused_not_wrapped(tmp_path, folders,
     with pytest.raises(RuntimeError, match="token id 70000 does not fit uint16"):
         TC.prepare(_tiny(tmp_path, 5), folders[0], tmp_path / "runs" / "cache")
     assert not (tmp_path / "runs").exists()
-
-
-def test_ranks_read_disjoint_slices_and_resume_anywhere(tmp_path, folders) -> None:
-    data = TC.prepare(_tiny(tmp_path), folders[0], tmp_path / "cache")
-    parts = TC.split(data, 0.1, 16)
-    world, bs = 3, 2
-    streams = [TC.TokenBatchStream(parts.train, 16, bs, r, world, seed=5) for r in range(world)]
-    single = TC.TokenBatchStream(parts.train, 16, bs * world, 0, 1, seed=5)
-    for _ in range(4):
-        got = [s.next() for s in streams]
-        x, y = single.next()
-        assert torch.equal(torch.cat([g[0] for g in got]), x)
-        assert torch.equal(torch.cat([g[1] for g in got]), y)
-        assert len({tuple(r.tolist()) for r in x}) == bs * world
-        assert torch.equal(x[:, 1:], y[:, :-1].where(y[:, :-1] >= 0, x[:, 1:]))
-        assert ((y >= 0).sum(1) > 0).all()  # no sequence without a counted target
-    state = streams[0].state_dict()
-    ref = [single.next()[0] for _ in range(2)]
-    two = [TC.TokenBatchStream(parts.train, 16, 3, r, 2, seed=5) for r in range(2)]
-    for s in two:
-        s.load_state_dict(state)
-    for r in ref:
-        assert torch.equal(torch.cat([s.next()[0] for s in two]), r)
-
-
-def test_split_windows_and_validation_batches(tmp_path, folders) -> None:
-    data = TC.prepare(_tiny(tmp_path), folders[0], tmp_path / "cache")
-    parts = TC.split(data, 0.1, 16)
-    n = len(data.tokens)
-    assert len(parts.train.tokens) + len(parts.val.tokens) == n
-    assert len(parts.val.tokens) == int(n * 0.1)
-    # Windows whose 16 targets are all prompt tokens are left out; the rest are kept.
-    m = np.asarray(parts.train.mask)
-    k = (len(m) - 1) // 16
-    assert parts.train.starts.tolist() == [
-        w * 16 for w in range(k) if m[w * 16 + 1 : w * 16 + 17].any()]
-    # Targets are the next tokens, -100 where the mask says a token does not count.
-    x, y = parts.train.rows(np.array([0, 3]))
-    for row, w in enumerate([0, 3]):
-        s = int(parts.train.starts[w])
-        toks = torch.from_numpy(data.tokens[s : s + 17].astype(np.int64))
-        keep = torch.from_numpy(data.mask[s + 1 : s + 17].astype(bool))
-        assert torch.equal(x[row], toks[:-1])
-        assert torch.equal(y[row], torch.where(keep, toks[1:], -100))
-    assert (y == -100).any() and (y >= 0).any()
-    a = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
-    b = list(TC.val_batches(parts.val, 16, 2, 1, 2, 3))
-    assert len(a) == 3 and all(torch.equal(p[1], q[1]) for p, q in zip(a, b))
-    with pytest.raises(ValueError, match=r"the data has \d+ tokens: too little"):
-        TC.split(data, 0.1, 4096)
 
 
 BAD = {

@@ -129,8 +129,13 @@ class ConsoleReporter:
             tqdm.write(f"step {record['step']:>5}: non-finite loss or grad norm; step skipped "
                        f"({record['nonfinite_skipped']} so far)", file=sys.stdout)
 
-    def eval(self, step: int, val_loss: float) -> None:
-        tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}", file=sys.stdout)
+    def eval(self, step: int, val_loss: float,
+             metrics: dict[str, float] | None = None) -> None:
+        m = metrics or {}
+        more = "".join(f" | {label} {m[k]:{fmt}}" for k, label, fmt in (
+            ("val_perplexity", "perplexity", ".4g"), ("val_accuracy", "token accuracy", ".2%"))
+            if k in m)
+        tqdm.write(f"step {step:>5}: val loss {val_loss:.4f}{more}", file=sys.stdout)
 
     def checkpoint(self, step: int, path: str) -> None:
         pass  # the summary names the folder; one line per checkpoint would crowd the bar

@@ -23,14 +23,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class Built:
     model: nn.Module
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> mean loss
-    logits: Callable[[torch.Tensor], torch.Tensor]  # (B, T) -> (B, T, V)
+    loss: Callable[..., torch.Tensor]  # (x, y[, positions]) -> mean loss
+    logits: Callable[..., torch.Tensor]  # (B, T)[, positions (B, T)] -> (B, T, V)
     n_params: int  # every parameter (global shapes)
     n_trainable: int
     # Masked targets (--model.hf data: prompts, padding): (x, y) -> (summed loss, counted
     # targets), so a step weighs each micro-batch by what it counts (trainer.py).
-    loss_sum: Callable[[torch.Tensor, torch.Tensor],
-                       tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Packed --model.hf batches carry position ids as a third tensor (token_parts.py).
+    loss_sum: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def build_gpt(cfg: Config, mesh: DeviceMesh | None = None) -> GPT:
@@ -80,9 +80,9 @@ def build(cfg: Config, mesh: DeviceMesh | None = None) -> Built:
 
         model = hf_model.build_hf(cfg)
         total, trainable = hf_model.n_params(model)
-        built = Built(model, lambda x, y: hf_model.loss(model, x, y),
-                      lambda x: hf_model.logits(model, x), total, trainable,
-                      lambda x, y: hf_model.loss_sum(model, x, y))
+        built = Built(model, lambda x, y, pos=None: hf_model.loss(model, x, y, pos),
+                      lambda x, pos=None: hf_model.logits(model, x, pos), total, trainable,
+                      lambda x, y, pos=None: hf_model.loss_sum(model, x, y, pos))
     else:
         gpt = build_gpt(cfg, mesh)
         n = cfg.model.gpt().num_params()

@@ -101,6 +101,12 @@ class DataSection:
         refused.
     cache_dir: with model.hf: where tokenized data is cached, keyed by (data, tokenizer)
         ("": <out_dir>/token-cache).
+    mix: with model.hf, instead of path: several sources drawn by weight,
+        "a.parquet:0.7,b.jsonl:0.3" (each a file, folder or saved dataset).
+    eval_path: with model.hf: a separate evaluation set (a file, folder or saved dataset);
+        "" = hold out val_fraction of every source's documents (seeded by seed).
+    packing: with model.hf: pack documents into full sequences, each document attending only
+        to itself (true), or one document per row padded per batch (false).
     """
 
     path: str = ""
@@ -109,9 +115,21 @@ class DataSection:
     seed: int = 1234
     reset: bool = False
     cache_dir: str = ""
+    mix: str = ""
+    eval_path: str = ""
+    packing: bool = True
 
     def __post_init__(self) -> None:
         _typed("data", self)
+        _check(not (self.path and self.mix), f"data.path={self.path!r} and data.mix="
+               f"{self.mix!r} contradict each other: give one (data.mix lists every source)")
+        if self.mix:
+            from .hf_inputs import parse_mix
+
+            parse_mix(self.mix)
+        _check(not self.eval_path or Path(self.eval_path).expanduser().exists(),
+               f"data.eval_path={self.eval_path!r} does not exist (give a file, a folder or "
+               "a saved dataset)")
         _positive("data", self, "max_bytes")
         _check(0.0 < self.val_fraction < 0.5,
                f"data.val_fraction={self.val_fraction!r} must be in (0, 0.5)")
@@ -269,10 +287,13 @@ class CheckpointSection:
 
     interval: steps between checkpoints (0: only at the end).
     keep: how many of the latest checkpoints to keep.
+    best: also keep the weights with the lowest validation loss so far in
+        checkpoints/best (replaced only by a better one, never pruned).
     """
 
     interval: int = 250
     keep: int = 2
+    best: bool = True
 
     def __post_init__(self) -> None:
         _typed("checkpoint", self)
@@ -375,13 +396,19 @@ class Config:
                "one can be made), not empty and not a file")
         tp = self.parallel.tp
         if self.model.hf:
-            _check(bool(self.data.path), f"model.hf={self.model.hf!r} needs data.path: a text "
-                   "file, a folder, or JSONL (text, prompt/completion or chat messages)")
+            _check(bool(self.data.path or self.data.mix), f"model.hf={self.model.hf!r} needs "
+                   "data.path (or data.mix): text, JSON/JSONL, parquet or arrow files, a "
+                   "folder, or a saved dataset (text, prompt/completion or chat messages)")
             _check(tp == 1, f"parallel.tp={tp} is not supported with model.hf (the TP plan is "
                    "the built-in GPT's); use tp=1")
         else:
             _check(self.lora.rank == 0, f"lora.rank={self.lora.rank} needs model.hf: LoRA "
                    "adapts a Hugging Face model's linear layers (the built-in GPT has none)")
+            d = self.data
+            for name, bad in (("mix", d.mix), ("eval_path", d.eval_path),
+                              ("packing", not d.packing)):
+                _check(not bad, f"data.{name}={getattr(d, name)!r} needs model.hf (the "
+                       "built-in GPT reads byte text from data.path)")
         if tp > 1:
             from .tensor_parallel import check_tp
 

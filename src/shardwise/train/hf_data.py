@@ -2,9 +2,11 @@
 token ids with a loss mask.
 
 [Note: token data formats] `data.path` is a file or a folder (every file under it, sorted by
-path, hidden files and folders skipped). A file ending in `.jsonl` is JSON Lines; any other
-file is UTF-8 text and is one document. A JSONL file's first record decides its format, and
-every later line must carry the same field:
+path, hidden files and folders skipped), or a folder written by `save_to_disk`. A file
+ending in `.jsonl` is JSON Lines; `.json` (a JSON array of records, or JSON Lines),
+`.parquet` and `.arrow` files hold records too (records.py); any other file is UTF-8 text and
+is one document. A record file's first record decides its format, and every later record
+must carry the same field:
 
 - `{"text": ...}`: one document; every token counts for the loss.
 - `{"prompt": ..., "completion": ...}`: the two are tokenized separately and joined; only the
@@ -18,7 +20,8 @@ every later line must carry the same field:
 
 Each document is `[BOS if the tokenizer adds one] + tokens + [EOS]`; the BOS never counts and
 the closing EOS counts when the token before it does (a text or a completion: yes; a
-conversation ending on a user turn: no). Documents are then packed back to back (token_cache.py).
+conversation ending on a user turn: no). Documents are then packed back to back
+(token_cache.py, token_parts.py).
 A mask rather than -100 labels is stored: one byte per token, turned into -100 targets per
 batch (what `F.cross_entropy` and Hugging Face's `labels` ignore by default).
 
@@ -41,6 +44,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "merges.txt", "chat_template.jinja", "chat_template.json")
 JSONL_SUFFIX = ".jsonl"
+# Record files read by records.py (`.json`: a JSON array or JSON Lines; the others through
+# the `datasets` library).
+RECORD_SUFFIXES = (".json", ".parquet", ".arrow")
 # Text files are tokenized in pieces of about this many characters, cut after a newline
 # (a newline is its own pre-token in byte-level BPE, so the ids are the same; a
 # SentencePiece-style tokenizer may add one word-start marker per piece).
@@ -88,11 +94,18 @@ def data_files(path: str | Path) -> list[Path]:
         return [p]
     if p.is_dir():
         files = sorted(q for q in p.rglob("*") if q.is_file() and not any(
-            part.startswith(".") for part in q.relative_to(p).parts))
+            part.startswith(".") for part in q.relative_to(p).parts) and not _dataset_meta(q))
         if files:
             return files
         raise ValueError(f"data.path={str(path)!r} is a folder with no files")
     raise ValueError(f"data.path={str(path)!r} does not exist")
+
+
+def _dataset_meta(f: Path) -> bool:
+    """save_to_disk's metadata beside its .arrow files (not records)."""
+    from .records import DATASET_META
+
+    return f.name in DATASET_META and any(f.parent.glob("*.arrow"))
 
 
 # A document before tokenization: ("text", str), ("pc", prompt, completion) or
@@ -142,7 +155,25 @@ def _format_of(obj: dict[str, Any], where: str) -> str:
 _FMT_NAMES = {"chat": "chat 'messages'", "pc": "'prompt'/'completion'", "text": "'text'"}
 
 
-def _jsonl_docs(path: Path, name: str) -> Iterator[tuple[Doc, str, int]]:
+def record_doc(obj: Any, where: str, fmt: str = "") -> tuple[Doc, str]:
+    """One record (a JSONL line, a JSON array item, a dataset row) -> (its document, the
+    format). `fmt` is the source's format so far ("": this record decides it)."""
+    if not isinstance(obj, dict):
+        raise _bad(where, f"a JSON object is needed, not {type(obj).__name__}")
+    fmt = fmt or _format_of(obj, where)
+    label = _FMT_NAMES[fmt]
+    if fmt == "text":
+        doc: Doc = ("text", _string(_field(obj, "text", where, label), "text", where))
+    elif fmt == "pc":
+        doc = ("pc", *(_string(_field(obj, k, where, label), k, where)
+                       for k in ("prompt", "completion")))
+    else:
+        doc = ("chat", _messages(_field(obj, "messages", where, label), where))
+    return doc, fmt
+
+
+def jsonl_docs(path: Path, name: str) -> Iterator[tuple[Doc, str, int]]:
+    """The records of a JSON Lines file (blank lines skipped), named by line."""
     fmt = ""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -155,17 +186,7 @@ def _jsonl_docs(path: Path, name: str) -> Iterator[tuple[Doc, str, int]]:
                 msg = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
                        else "not UTF-8")
                 raise _bad(where, f"not valid JSON ({msg})") from None
-            if not isinstance(obj, dict):
-                raise _bad(where, f"a JSON object is needed, not {type(obj).__name__}")
-            fmt = fmt or _format_of(obj, where)
-            label = _FMT_NAMES[fmt]
-            if fmt == "text":
-                doc: Doc = ("text", _string(_field(obj, "text", where, label), "text", where))
-            elif fmt == "pc":
-                doc = ("pc", *(_string(_field(obj, k, where, label), k, where)
-                               for k in ("prompt", "completion")))
-            else:
-                doc = ("chat", _messages(_field(obj, "messages", where, label), where))
+            doc, fmt = record_doc(obj, where, fmt)
             yield doc, where, len(raw)
 
 
@@ -181,11 +202,21 @@ def read_documents(path: str | Path) -> Iterator[tuple[Doc, str, int]]:
     """Every document of `data.path` in order, with where it is ("data.jsonl line 7", for
     errors) and the bytes of input it came from (for progress). Raises a one-line ValueError
     at the first bad record, naming the file and line."""
+    from . import records as R
+
     root = Path(path).expanduser()
+    if R.saved_splits(root):
+        raise ValueError(f"data path {str(path)!r} is a saved DatasetDict (splits "
+                         f"{', '.join(R.saved_splits(root))}): give one split's folder")
+    if R.is_saved_dataset(root):
+        yield from R.saved_docs(root, root.name)
+        return
     for f in data_files(root):
         name = f.name if f == root else f.relative_to(root).as_posix()
         if f.suffix == JSONL_SUFFIX:
-            yield from _jsonl_docs(f, name)
+            yield from jsonl_docs(f, name)
+        elif f.suffix in RECORD_SUFFIXES:
+            yield from R.file_docs(f, name)
         else:
             yield _text_doc(f, name), name, f.stat().st_size
 

@@ -93,25 +93,49 @@ def build_hf(cfg: Config) -> nn.Module:
     return model
 
 
-def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the counted targets of (B, T) inputs and targets."""
-    logits = model(input_ids=x).logits  # (B, T, V)
+# [Note: packed attention] Position ids that restart inside a row make transformers'
+# masking_utils build a block-diagonal causal mask (find_packed_sequence_indices), for eager,
+# sdpa and flash attention alike, but only without a KV cache: hence use_cache=False on every
+# call. Without that function (older transformers releases) the restart would reach the
+# rotary embedding alone and documents would still see each other: check_packing refuses it.
+
+
+def check_packing() -> None:
+    """A ValueError when the installed transformers cannot isolate packed documents."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            f"data.packing=true needs a transformers release whose masking_utils has "
+            f"find_packed_sequence_indices (installed: {transformers.__version__}; 5.x has it) "
+            "to keep packed documents from attending to each other: upgrade it, or set "
+            "data.packing=false") from None
+
+
+def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+         pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy over the counted targets of (B, T) inputs and targets; `pos`:
+    position ids that restart at each packed document (token_parts.py [Note: packing])."""
+    logits = model(input_ids=x, position_ids=pos, use_cache=False).logits  # (B, T, V)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                            ignore_index=IGNORE)
 
 
-def loss_sum(model: nn.Module, x: torch.Tensor,
-             y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, number of counted targets) of (B, T) inputs and targets: a
     batch whose targets are all masked sums to 0 instead of a mean's NaN."""
-    logits = model(input_ids=x).logits
+    logits = model(input_ids=x, position_ids=pos, use_cache=False).logits
     total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                             ignore_index=IGNORE, reduction="sum")
     return total, (y != IGNORE).sum()
 
 
-def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x).logits
+def logits(model: nn.Module, x: torch.Tensor,
+           pos: torch.Tensor | None = None) -> torch.Tensor:
+    return model(input_ids=x, position_ids=pos, use_cache=False).logits
 
 
 def n_params(model: nn.Module) -> tuple[int, int]:

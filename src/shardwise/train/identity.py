@@ -44,11 +44,12 @@ def data_key(cfg: Config) -> str:
 def run_keys(cfg: Config) -> dict[str, str]:
     if cfg.model.hf:
         from .hf_folder import model_key, tokenizer_key
-        from .token_cache import data_key as token_key
+        from .hf_inputs import data_key as token_key
 
         model, tok = model_key(cfg.model.hf), tokenizer_key(cfg.model.hf)
-        # The token cache's key: the data files' bytes and the tokenizer's files.
-        return {"data": token_key(cfg.data.path, cfg.model.hf), "tokenizer": tok,
+        # The token cache's keys (the data files' bytes and the tokenizer's files) of every
+        # source and the evaluation set, and how they are sampled.
+        return {"data": token_key(cfg), "tokenizer": tok,
                 "model": model + _lora(cfg)}
     else:
         model = _hash(json.dumps(cfg.model.gpt().__dict__, sort_keys=True).encode())

@@ -1,28 +1,17 @@
 """Tokenize once, then memory-map: the token cache of a Hugging Face fine-tuning run.
 
-Usage (what the trainer does; only `prepare_shared` is a collective):
+Usage (one source; train/hf_inputs.py does this for every source of a run, and
+token_parts.py cuts the entry into samples):
 
     # The launcher may call prepare() first, printing progress; the ranks then hit the cache.
-    data = prepare_shared(cfg.data.path, model_folder, cache_dir)    # on every rank
-    parts = split(data, val_fraction, seq_len)                # train / validation TokenPart
-    stream = TokenBatchStream(parts.train, seq_len, batch_size, dp_rank, dp_world, seed, dev)
-    x, y = stream.next()  # (B, T) int64 inputs; (B, T) int64 targets, -100 = does not count
-    for x, y in val_batches(parts.val, seq_len, batch_size, dp_rank, dp_world, n, dev): ...
-    data.key              # store in the run folder: a resume compares it (data.reset)
-
-The targets are already shifted (y[:, t] is the token after x[:, t]), as for the built-in
-GPT: compute `F.cross_entropy(logits.flatten(0, 1), y.flatten())` (ignore_index=-100 is its
-default). Do not pass y as a Hugging Face model's `labels`: the model shifts labels itself, so
-they would be off by one. The mean is over this rank's counted targets (every window has at
-least one); with a mask, ranks hold different counts, so the mean of the ranks' means weighs
-a token on a rank with few counted targets more than a token-weighted mean would.
-
-`TokenBatchStream` is `data.BatchStream` with token windows: the same global order, per-rank
-slices, `state_dict()` and restore at any world size ([Note: data position] in data.py).
+    data = prepare_shared(path, model_folder, cache_dir)    # on every rank (a collective)
+    data.tokens, data.mask, data.docs                       # memory-mapped token ids, mask
+    data.key              # what a resume compares (data.reset)
 
 [Note: token cache] A cache entry is a folder `<cache_dir>/<key>/` holding `tokens.bin` (the
 packed token ids, raw little-endian uint16 when the vocabulary fits, else int32), `mask.bin`
-(one uint8 per token: 1 when it counts as a target) and `meta.json`. The key hashes the
+(one uint8 per token: 1 when it counts as a target), `docs.bin` (int64 little-endian: the
+first token of each document, in order) and `meta.json`. The key hashes the
 format version, the tokenizer's files (hf_data.TOKENIZER_FILES) and every data file's
 relative name and bytes, so a changed byte in either makes a new entry, and the same key on
 resume means the same tokens. An entry is written into a temporary folder and renamed into
@@ -47,13 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from . import data as D
 from . import hf_data as H
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: docs.bin, the start of each document
 IGNORE = -100  # the target of a position that does not count (F.cross_entropy's default)
 _HASH_CHUNK = 1 << 22
 
@@ -75,6 +62,7 @@ class TokenData:
 
     tokens: np.ndarray  # (N,) uint16 or int32 memmap: the packed documents
     mask: np.ndarray  # (N,) uint8 memmap: 1 = this token counts as a target
+    docs: np.ndarray  # (D,) int64: where each document starts (docs[0] == 0)
     key: str  # hash of (format, tokenizer files, data bytes): [Note: token cache]
     meta: dict[str, Any]  # meta.json: counts, dtype, eos id, vocab size, the source paths
     path: Path  # the entry's folder
@@ -110,16 +98,19 @@ def open_entry(entry: str | Path) -> TokenData:
     path = Path(entry)
     meta = json.loads((path / "meta.json").read_text())
     n = int(meta["tokens"])
-    for name, itemsize in (("tokens.bin", np.dtype(meta["dtype"]).itemsize), ("mask.bin", 1)):
+    sizes = (("tokens.bin", n * np.dtype(meta["dtype"]).itemsize), ("mask.bin", n),
+             ("docs.bin", int(meta["documents"]) * 8))
+    for name, want in sizes:
         f = path / name
         size = f.stat().st_size if f.is_file() else -1
-        if size != n * itemsize:
+        if size != want:
             raise ValueError(f"token cache entry {str(path)!r} is damaged ({name}: {size} "
-                             f"bytes, {n * itemsize} expected): delete that folder to "
+                             f"bytes, {want} expected): delete that folder to "
                              "tokenize again")
     tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,))
     mask = np.memmap(path / "mask.bin", dtype=np.uint8, mode="r", shape=(n,))
-    return TokenData(tokens, mask, meta["key"], meta, path, built=False)
+    docs = np.fromfile(path / "docs.bin", dtype="<i8").astype(np.int64, copy=False)
+    return TokenData(tokens, mask, docs, meta["key"], meta, path, built=False)
 
 
 def prepare(data_path: str | Path, model_folder: str | Path, cache_dir: str | Path, *,
@@ -231,7 +222,8 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
     total = sum(p.stat().st_size for p in H.data_files(data_path))
     t0 = last = time.perf_counter()
     done = n_docs = n_tokens = n_counted = skipped = 0
-    with (tmp / "tokens.bin").open("wb") as ft, (tmp / "mask.bin").open("wb") as fm:
+    with (tmp / "tokens.bin").open("wb") as ft, (tmp / "mask.bin").open("wb") as fm, \
+            (tmp / "docs.bin").open("wb") as fd:
         for docs, wheres, nbytes in _batches(data_path):
             for e in enc.encode(docs, wheres):
                 counted = int(e.mask.sum())
@@ -241,6 +233,7 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
                 if len(e.ids) and int(e.ids.max()) > limit:  # would wrap around silently
                     raise RuntimeError(f"token id {int(e.ids.max())} does not fit {dtype.name}"
                                        f" (the tokenizer reports {enc.vocab_size} ids)")
+                fd.write(np.asarray([n_tokens], "<i8").tobytes())
                 ft.write(e.ids.astype(dtype).tobytes())
                 fm.write(e.mask.tobytes())
                 n_docs += 1
@@ -261,99 +254,3 @@ def _build(tmp: Path, enc: H.Encoder, data_path: str | Path,
             "skipped_documents": skipped, "dtype": dtype.str, "eos_id": enc.eos,
             "vocab_size": enc.vocab_size, "chat_template": enc.chat_template,
             "byteorder": sys.byteorder}
-
-
-@dataclass
-class TokenPart:
-    """One side of the split: its tokens and mask (memmap views) and the start of each
-    window of seq_len + 1 tokens that has at least one counted target."""
-
-    tokens: np.ndarray  # (n,)
-    mask: np.ndarray  # (n,)
-    starts: np.ndarray  # (n_windows,) int64
-    seq_len: int
-
-    @classmethod
-    def of(cls, tokens: np.ndarray, mask: np.ndarray, seq_len: int,
-           all_count: bool) -> TokenPart:
-        n = (len(tokens) - 1) // seq_len
-        starts = np.arange(n, dtype=np.int64) * seq_len
-        if not all_count:
-            # Window k's targets are tokens k*T+1 .. k*T+T. A window with none counted
-            # would give a 0/0 loss: it is left out.
-            per = np.asarray(mask[1 : n * seq_len + 1]).reshape(n, seq_len).any(axis=1)
-            starts = starts[per]
-        return cls(tokens, mask, starts, seq_len)
-
-    def rows(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of these windows, each (len(windows), seq_len) int64 on CPU."""
-        T = self.seq_len
-        x = np.empty((len(windows), T), np.int64)
-        y = np.empty((len(windows), T), np.int64)
-        keep = np.empty((len(windows), T), np.uint8)
-        # One contiguous slice per window: a few pages of the map, no gather.
-        for i, s in enumerate(self.starts[windows].tolist()):
-            row = self.tokens[s : s + T + 1]
-            x[i], y[i], keep[i] = row[:-1], row[1:], self.mask[s + 1 : s + T + 1]
-        np.putmask(y, keep == 0, IGNORE)
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-
-@dataclass
-class TokenSplit:
-    train: TokenPart
-    val: TokenPart
-
-
-def split(data: TokenData, val_fraction: float, seq_len: int) -> TokenSplit:
-    """The last `val_fraction` of the packed tokens is validation (documents in data.path
-    order); each part needs >= 2 windows of seq_len + 1 tokens, and one with a counted target."""
-    n = len(data.tokens)
-    n_val = int(n * val_fraction)
-    need = 2 * (seq_len + 1)
-    if n_val < need or n - n_val < need:
-        raise ValueError(
-            f"the data has {n} tokens: too little for a {val_fraction} validation split with "
-            f"sequences of {seq_len} (each part needs >= {need} tokens); give more data or a "
-            "smaller block size")
-    all_count = int(data.meta["counted"]) == n  # text without BOS: no window to check
-    cut = n - n_val
-    parts = TokenSplit(TokenPart.of(data.tokens[:cut], data.mask[:cut], seq_len, all_count),
-                       TokenPart.of(data.tokens[cut:], data.mask[cut:], seq_len, all_count))
-    for name, p in (("training", parts.train), ("validation", parts.val)):
-        if len(p.starts) == 0:
-            raise ValueError(f"the {name} split has no sequence of {seq_len} tokens with a "
-                             "token that counts for the loss; give more data")
-    return parts
-
-
-class TokenBatchStream(D.BatchStream):
-    """Training batches of one rank from a TokenPart: `next()` gives (inputs, targets), each
-    (batch_size, seq_len) int64, targets -100 where a token does not count."""
-
-    def __init__(self, part: TokenPart, seq_len: int, batch_size: int, rank: int, world: int,
-                 seed: int, device: torch.device | str = "cpu") -> None:
-        if seq_len != part.seq_len:
-            raise ValueError(f"the split was made for sequences of {part.seq_len}, "
-                             f"not {seq_len}")
-        self.part = part
-        super().__init__(torch.empty(0), seq_len, batch_size, rank, world, seed, device)
-
-    def _windows(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-        return torch.from_numpy(self.part.starts)
-
-    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.part.rows(idx.numpy())
-        return x.to(self.device), y.to(self.device)
-
-
-def val_batches(part: TokenPart, seq_len: int, batch_size: int, rank: int, world: int,
-                n_batches: int, device: torch.device | str = "cpu",
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The same fixed validation batches every time: the first windows in order, cycled
-    (data.val_batches' rule)."""
-    dev = torch.device(device)
-    for b in range(n_batches):
-        start = (b * world + rank) * batch_size
-        x, y = part.rows(np.arange(start, start + batch_size) % len(part.starts))
-        yield x.to(dev), y.to(dev)

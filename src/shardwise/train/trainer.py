@@ -29,14 +29,16 @@ from ..engine.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D
 from . import rundir
+from .best import BestKeeper
 from .build import Built, build, build_gpt
 from .checkpointing import resume, save, saved_tokens_per_step
 from .config import Config, TrainSection
+from .eval_metrics import evaluate
 from .faults import FaultInjector
 from .flops import Utilization
 from .guard import NonFiniteGuard
 from .identity import run_keys
-from .losses import counted_targets, evaluate
+from .losses import counted_targets
 from .metrics import (
     MB,
     memory_mb,
@@ -56,7 +58,9 @@ class Reporter(Protocol):
 
     def start(self, info: dict[str, Any]) -> None: ...
     def step(self, record: dict[str, Any]) -> None: ...
-    def eval(self, step: int, val_loss: float) -> None: ...
+    # metrics: the evaluation's record (val_loss, val_perplexity, val_accuracy).
+    def eval(self, step: int, val_loss: float,
+             metrics: dict[str, float] | None = None) -> None: ...
     def checkpoint(self, step: int, path: str) -> None: ...
     def end(self, summary: dict[str, Any]) -> None: ...
 
@@ -64,7 +68,8 @@ class Reporter(Protocol):
 class NullReporter:
     def start(self, info: dict[str, Any]) -> None: ...
     def step(self, record: dict[str, Any]) -> None: ...
-    def eval(self, step: int, val_loss: float) -> None: ...
+    def eval(self, step: int, val_loss: float,
+             metrics: dict[str, float] | None = None) -> None: ...
     def checkpoint(self, step: int, path: str) -> None: ...
     def end(self, summary: dict[str, Any]) -> None: ...
 
@@ -166,12 +171,12 @@ class Trainer:
         # The data first: text that is too short fails alike on every rank, before a run
         # folder exists that would block running the same --name again.
         if cfg.model.hf:
-            # Tokenized once into the cache (the first rank of each node), memory-mapped.
-            from . import token_cache as TC
+            # Tokenized once into the cache (the first rank of each node), memory-mapped;
+            # every source, and the evaluation set or each source's held-out documents.
+            from . import hf_inputs
 
-            tokens = TC.prepare_shared(cfg.data.path, cfg.model.hf, cfg.data.cache(cfg.out_dir))
-            self.parts: Any = TC.split(tokens, cfg.data.val_fraction, seq)
-            self.n_train, self.n_val = len(self.parts.train.tokens), len(self.parts.val.tokens)
+            self.parts: Any = hf_inputs.load(cfg, seq)
+            self.n_train, self.n_val = self.parts.n_train, self.parts.n_val
         else:
             text = D.read_corpus(cfg.data.path or None, cfg.data.max_bytes, cfg.data.seed)
             self.parts = D.split(text, cfg.data.val_fraction, seq)
@@ -183,7 +188,7 @@ class Trainer:
         self.dp_world = self.world // tp
         stream_cls: Any = D.BatchStream
         if cfg.model.hf:
-            from .token_cache import TokenBatchStream as stream_cls
+            from .token_parts import TokenBatchStream as stream_cls
         self.stream = stream_cls(self.parts.train, seq, t.batch_size, self.rank // tp,
                                  self.dp_world, cfg.data.seed, self.device)
 
@@ -242,6 +247,7 @@ class Trainer:
                             if cfg.log.event_steps >= 0 else self.end)
         self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
         self.metrics = open_metric_log(cfg, self.run_dir, self.world) if self.rank == 0 else None
+        self.best = BestKeeper(self.run_dir, cfg.checkpoint.best, bool(cfg.lora.rank))
         self.val_loss = math.nan
         self.losses: list[float] = []  # applied steps only
         self.timed_tokens, self.timed_s = 0, 0.0
@@ -266,16 +272,17 @@ class Trainer:
         # micro-batch, averaged, made the loss and the gradient depend on the split.
         weigh = self.built.loss_sum is not None
         counted = counted_targets(batches, self.device) if weigh else 0.0
-        for micro, (x, y) in enumerate(batches):
+        # A batch is (x, y), or (x, y, positions) for packed --model.hf data.
+        for micro, batch in enumerate(batches):
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
             with contextlib.nullcontext() if sync else sw.no_sync(model):
                 if weigh:
-                    loss = self.built.loss_sum(x, y)[0]  # type: ignore[misc]
+                    loss = self.built.loss_sum(*batch)[0]  # type: ignore[misc]
                     # The reduction averages the dp ranks (TP ranks count the same targets).
                     scale = self.world / max(counted, 1.0)
                 else:
-                    loss, scale = self.built.loss(x, y), 1.0 / t.grad_accum
+                    loss, scale = self.built.loss(*batch), 1.0 / t.grad_accum
                 if self.faults is not None:
                     loss = self.faults.loss(loss, step, self.rank)
                 scaler.scale(loss * scale).backward()
@@ -325,11 +332,14 @@ class Trainer:
         self.tracing.after(step)
         if (t.eval_interval and step % t.eval_interval == 0) or step == self.end:
             self.events.counter.paused = self.tracing.paused = True
-            self.val_loss = evaluate(self.built, self.parts.val, self.cfg, self.rank,
-                                     self.world, self.device)
+            ev = evaluate(self.built, self.parts.val, self.cfg, self.rank, self.world,
+                          self.device)
+            self.val_loss = ev.loss
+            record.update(ev.record())
+            if self.best.offer(self.model, step, ev.loss):
+                record["best"] = True
             self.events.counter.paused = self.tracing.paused = False
-            record["val_loss"] = self.val_loss
-            self.rep.eval(step, self.val_loss)
+            self.rep.eval(step, self.val_loss, ev.record())
         if self.metrics is not None:
             self.metrics.write(record)
         self.rep.step(record)
