@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardwise as sw  # noqa: E402
-from shardwise.engine.freeze_check import FreezeCheck  # noqa: E402
-from shardwise.engine.inspect import context_of  # noqa: E402
+from shardwise.engine.core.freeze_check import FreezeCheck  # noqa: E402
+from shardwise.engine.core.inspect import context_of  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 
 

@@ -9,21 +9,21 @@ from .checkpoint.manifest import CheckpointError
 from .checkpoint.pretrained import LoadResult, load_pretrained
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
-from .engine.comm.distributed import init_distributed, no_sync
-from .engine.debug import CollectiveError, CollectiveMismatchError, set_debug
-from .engine.fully_shard import ShardedModule, fully_shard, shard_model
-from .engine.grad_norm import clip_grad_norm_
-from .engine.materialize import materialize
-from .engine.mixed_precision import ShardedGradScaler, precision_plan
-from .engine.module_api import UnshardHandle
-from .engine.policies import (
+from .engine.api.fully_shard import ShardedModule, fully_shard, shard_model
+from .engine.api.module_api import UnshardHandle, no_sync
+from .engine.api.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
+from .engine.comm.debug import CollectiveError, CollectiveMismatchError, set_debug
+from .engine.comm.distributed import init_distributed
+from .engine.core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     ShardingStrategy,
     size_policy,
     transformer_policy,
 )
-from .engine.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
+from .engine.ext.grad_norm import clip_grad_norm_
+from .engine.ext.materialize import materialize
+from .engine.ext.mixed_precision import ShardedGradScaler, precision_plan
 from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace

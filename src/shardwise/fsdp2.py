@@ -18,9 +18,9 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
 )
 
-from .engine.fully_shard import fully_shard
-from .engine.module_api import UnshardHandle
-from .engine.state import register_fsdp_forward_method, share_comm_ctx
+from .engine.api.fully_shard import fully_shard
+from .engine.api.module_api import UnshardHandle
+from .engine.api.state import register_fsdp_forward_method, share_comm_ctx
 
 __all__ = [
     "CPUOffloadPolicy",

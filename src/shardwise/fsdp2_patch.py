@@ -27,8 +27,8 @@ from typing import Any
 
 import torch.distributed.fsdp as _torch_fsdp
 
-from .engine.fully_shard import fully_shard
-from .engine.state import register_fsdp_forward_method, share_comm_ctx
+from .engine.api.fully_shard import fully_shard
+from .engine.api.state import register_fsdp_forward_method, share_comm_ctx
 
 # Where torch itself exports the name: the public module and its older aliases.
 _TORCH_HOMES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp",

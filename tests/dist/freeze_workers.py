@@ -113,7 +113,7 @@ def freeze_alike_parity(rank: int, world: int) -> dict[str, float]:
 
 def checks_issued(rank: int, world: int) -> dict[str, object]:
     """How many checks a training step and an eval forward issue (one: the step's)."""
-    from shardwise.engine.inspect import context_of
+    from shardwise.engine.core.inspect import context_of
 
     model = make_model("lm", 0)
     sw.shard_model(model, auto_wrap_policy="transformer")

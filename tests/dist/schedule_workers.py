@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import shardwise as sw
-from shardwise.engine.inspect import context_of
-from shardwise.engine.schedule import Limits
+from shardwise.engine.core.inspect import context_of
+from shardwise.engine.core.schedule import Limits
 from tests.models import loss_fn, make_batch, make_model
 
 

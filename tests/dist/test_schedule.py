@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.engine.schedule import Limits
+from shardwise.engine.core.schedule import Limits
 from shardwise.planner import timing as T
 from shardwise.planner.memory import unit_cost
 from shardwise.planner.profiles import InterconnectProfile

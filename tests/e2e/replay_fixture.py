@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardwise.engine.events import Event
+from shardwise.engine.core.events import Event
 
 UNITS = {"0": 2176, "2": 528}  # all-gather output bytes per unit (fp32, 2 ranks)
 STEPS = (1, 2, 3)

@@ -142,7 +142,7 @@ def test_bytes_agree_across_summary_metrics_events_trace_and_plan(
     import torch
 
     import shardwise as sw
-    from shardwise.engine.events import Event
+    from shardwise.engine.core.events import Event
     from shardwise.train.model import GPT, preset
 
     run, out = traced

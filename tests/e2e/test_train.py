@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.engine.events import COLLECTIVES, PHASES, Event
+from shardwise.engine.core.events import COLLECTIVES, PHASES, Event
 from shardwise.train import options as O
 from shardwise.train.metrics import MetricsFile, read_metrics
 

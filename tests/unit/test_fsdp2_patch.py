@@ -9,8 +9,8 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp._fully_shard._fully_shard as fsdp2_impl
 
 import shardwise as sw
-from shardwise.engine.fully_shard import fully_shard
-from shardwise.engine.state import register_fsdp_forward_method
+from shardwise.engine.api.fully_shard import fully_shard
+from shardwise.engine.api.state import register_fsdp_forward_method
 
 
 def test_patch_swaps_public_homes_and_bound_names_then_undoes() -> None:

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.policies import find_block_classes
-from shardwise.engine.wrap import assign_params, wrap_targets
+from shardwise.engine.api.wrap import assign_params, wrap_targets
+from shardwise.engine.core.policies import find_block_classes
 from tests.models import Block, TinyLM
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.sharded_param import ParamRef, ShardedParam
+from shardwise.engine.core.sharded_param import ParamRef, ShardedParam
 from shardwise.testing import run_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.engine.schedule import Limits
+from shardwise.engine.core.schedule import Limits
 from shardwise.planner.memory import UnitCost
 from shardwise.planner.profiles import InterconnectProfile
 from shardwise.planner.replay import replay_backward, replay_forward

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.engine.events import Event
+from shardwise.engine.core.events import Event
 from shardwise.observe.overlap import OverlapReport, overlap_rows, union_length
 from shardwise.observe.trace import COMM_TID, COMPUTE_TID, Trace, _lanes, chrome_events
 

@@ -115,7 +115,7 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
 
 def _copied_per_step(model: torch.nn.Module, steps: int) -> dict[str, float]:
     """Bytes the engine copied locally per step, by where (shardwise systems; {} others)."""
-    from ..engine.inspect import units_of
+    from ..engine.core.inspect import units_of
 
     total: dict[str, float] = {}
     for u in units_of(model):

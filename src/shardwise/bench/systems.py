@@ -16,7 +16,7 @@ LR = 1e-4
 
 
 def _block_types(model: nn.Module) -> tuple[type, ...]:
-    from ..engine.policies import find_block_classes
+    from ..engine.core.policies import find_block_classes
 
     return tuple(find_block_classes(model))
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine.checks import check_module, check_path
-from ..engine.model_group import model_group
+from ..engine.core.checks import check_module, check_path
+from ..engine.ext.model_group import model_group
 from . import atomic
 from .manifest import CheckpointError, model_name, read_manifest
 from .reader import RowReader, check_size, verify_file

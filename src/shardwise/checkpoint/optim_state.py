@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..engine.dtensor import wrap
-from ..engine.sharded_param import ShardedParam
+from ..engine.core.dtensor import wrap
+from ..engine.core.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
 from .slots import ModelView, Slot, full_slot, own_rows, rows_of, sharded_slot, stored_rows

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..engine.checks import check_bool, check_module, check_path
-from ..engine.fully_shard import reshard_between_steps
-from ..engine.inspect import units_of
-from ..engine.materialize import _still_unfilled, _unfilled
-from ..engine.model_group import model_group
-from ..engine.sharded_param import ShardedParam
+from ..engine.api.fully_shard import reshard_between_steps
+from ..engine.core.checks import check_bool, check_module, check_path
+from ..engine.core.inspect import units_of
+from ..engine.core.sharded_param import ShardedParam
+from ..engine.ext.materialize import _still_unfilled, _unfilled
+from ..engine.ext.model_group import model_group
 from .block_reader import DEFAULT_BUFFER_BYTES, BlockReader
 from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
 from .manifest import CheckpointError

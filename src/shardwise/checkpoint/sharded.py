@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.checks import check_bool, check_module, check_path
+from ..engine.api.fully_shard import reshard_between_steps
 from ..engine.comm import collectives as C
-from ..engine.fully_shard import reshard_between_steps
-from ..engine.inspect import units_of
-from ..engine.model_group import ModelGroup, model_group
-from ..engine.sharded_param import ShardedParam
+from ..engine.core.checks import check_bool, check_module, check_path
+from ..engine.core.inspect import units_of
+from ..engine.core.sharded_param import ShardedParam
+from ..engine.ext.model_group import ModelGroup, model_group
 from . import atomic, optim_state
 from .finite import check_finite
 from .manifest import (

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from ..engine.comm import collectives as C
-from ..engine.dtensor import local_of
-from ..engine.inspect import named_sharded_params
-from ..engine.model_group import model_group
-from ..engine.sharded_param import ShardedParam
+from ..engine.core.dtensor import local_of
+from ..engine.core.inspect import named_sharded_params
+from ..engine.core.sharded_param import ShardedParam
+from ..engine.ext.model_group import model_group
 from .manifest import model_name
 
 

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..engine.checks import check_bool, check_module
+from ..engine.api.fully_shard import reshard_between_steps
 from ..engine.comm import collectives as C
-from ..engine.fully_shard import reshard_between_steps
-from ..engine.model_group import model_group
-from ..engine.sharded_param import ShardedParam
+from ..engine.core.checks import check_bool, check_module
+from ..engine.core.sharded_param import ShardedParam
+from ..engine.ext.model_group import model_group
 from .slots import set_plain
 from .sync import agreed
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.policies import STRATEGY_NAMES as STRATEGIES
+from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from ..planner import report as R
 from ._args import Parser, at_least, finite, report
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.events import Event, wire_bytes
+from ..engine.core.events import Event, wire_bytes
 from ..observe.overlap import union_length
 
 log = logging.getLogger(__name__)

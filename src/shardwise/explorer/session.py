@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.events import wire_bytes
+from ..engine.core.events import wire_bytes
 from .caution import caution
 from .problem import EXTENT, GRID, N_POINTS
 from .workers import RunConfig, WorkerError, WorkerGroup, offload_support

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..engine.comm.distributed import free_port
-from ..engine.policies import STRATEGY_NAMES as STRATEGIES
+from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from ..launch import workers_ignore_sigint
 
 PRECISIONS = ("none", "bf16", "fp16")

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine.events import Event
+from ..engine.core.events import Event
 
 MS = 1e3
 

@@ -146,7 +146,7 @@ def measure_unit_overhead(units: int = 5, params: int = 6, repeats: int = 5,
     `params` tiny parameters each (best the model's own counts), sharded over the whole world,
     against the same model unsharded: the work is next to nothing, so the difference is the
     engine's. Every rank calls this at the same time."""
-    from ..engine.fully_shard import fully_shard
+    from ..engine.api.fully_shard import fully_shard
 
     torch.manual_seed(0)
     # The root holds parameters of its own, as a model's root does (embedding, head).

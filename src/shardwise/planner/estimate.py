@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.policies import dtype_name
+from ..engine.core.policies import dtype_name
 from . import timing as T
 from .copies import copy_seconds, step_copies, transport_of, unit_copies
 from .profiles import DeviceProfile, InterconnectProfile, interconnect_profile

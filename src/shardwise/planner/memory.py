@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.policies import MixedPrecisionPolicy
+from ..engine.core.policies import MixedPrecisionPolicy
 from .units import PlanUnit
 
 # Optimizer -> fp32 state tensors per parameter, and whether it keeps a step counter.

@@ -14,8 +14,8 @@ import os
 import torch
 from torch import nn
 
-from ..engine.checks import check_bool, check_int
-from ..engine.policies import (
+from ..engine.core.checks import check_bool, check_int
+from ..engine.core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     ShardingStrategy,

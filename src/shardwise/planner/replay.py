@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from ..engine.schedule import PendingReduce, Schedule, ShardedState, TrainingState
+from ..engine.core.schedule import PendingReduce, Schedule, ShardedState, TrainingState
 
 
 class ReplayUnit:

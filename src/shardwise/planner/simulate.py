@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.buffers import BufferPool
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
-from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
+from ..engine.core.buffers import BufferPool
+from ..engine.core.schedule import DEFAULT_LIMITS, Limits, Schedule
 from .memory import UnitCost, _size
 from .replay import ReplayUnit, replay_backward, replay_forward
 

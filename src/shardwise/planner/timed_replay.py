@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..engine.schedule import DEFAULT_LIMITS, Limits, Schedule
+from ..engine.core.schedule import DEFAULT_LIMITS, Limits, Schedule
 from .replay import ReplayUnit, replay_backward, replay_forward
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.events import wire_bytes
-from ..engine.schedule import DEFAULT_LIMITS, Limits
+from ..engine.core.events import wire_bytes
+from ..engine.core.schedule import DEFAULT_LIMITS, Limits
 from .memory import UnitCost, _size
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import TransformerShape

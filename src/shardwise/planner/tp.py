@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.events import wire_bytes
-from ..engine.wrap import ParamSpec, UnitSpec
+from ..engine.api.wrap import ParamSpec, UnitSpec
+from ..engine.core.events import wire_bytes
 from .estimate import TimeEstimate
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import FP32, TransformerShape

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.policies import STRATEGY_NAMES as STRATEGIES
+from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from .model import PRESETS, GPTConfig, preset
 from .validate import check as _check
 from .validate import choice as _choice

@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import torch
 
-from ..engine.events import Event
+from ..engine.core.events import Event
 
 MB = 2**20
 # Bytes per parameter of training state under AdamW in fp32: the parameter, its gradient,
@@ -24,7 +24,7 @@ def training_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
     creates them like it). A frozen parameter (LoRA's base weights) has neither, and a bf16
     model's are 2 bytes: a flat STATE_BYTES_PER_PARAM per parameter counted a LoRA run's
     state at ~4x and a bf16 model's at 2x what it holds."""
-    from ..engine.dtensor import local_of
+    from ..engine.core.dtensor import local_of
 
     local = full = 0
     for p in model.parameters():  # tied parameters once

@@ -25,7 +25,7 @@ import shardwise as sw
 
 from .. import launchers
 from ..engine.comm import collectives as Cm
-from ..engine.dtensor import local_of
+from ..engine.core.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D
 from . import rundir

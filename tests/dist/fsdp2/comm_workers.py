@@ -11,7 +11,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 from tests.dist.fsdp2.common import (
     Expect,
     count,

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 
 # upstream's assertEqual tolerances for float32 (torch.testing defaults)
 RTOL, ATOL = 1.3e-6, 1e-5

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 from tests.dist.fsdp2.common import Expect
 
 

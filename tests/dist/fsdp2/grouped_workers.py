@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 from shardwise.fsdp2 import fully_shard
 from tests.dist.fsdp2.common import (
     DataParallelRef,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, global_batch, randn
 from tests.dist.fsdp2.common import record_collectives as record
 from tests.dist.fsdp2.common import sum_loss as _sum

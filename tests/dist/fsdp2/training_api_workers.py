@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import shardwise as sw
-from shardwise.engine.schedule import ShardedState
+from shardwise.engine.core.schedule import ShardedState
 from shardwise.fsdp2 import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from tests.dist.fsdp2.common import (
     DataParallelRef,

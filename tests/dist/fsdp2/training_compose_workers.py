@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 import shardwise as sw
-from shardwise.engine.dtensor import local_of
+from shardwise.engine.core.dtensor import local_of
 from tests.dist.fsdp2.common import (
     Expect,
     check_sharded_parity,

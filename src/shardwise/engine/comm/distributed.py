@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
-from collections.abc import Iterator
 
 import torch
-from torch import nn
 
-from ..checks import check_module, check_number
-from ..inspect import units_of
 from . import collectives as C
 from .process_group import DEFAULT_TIMEOUT_S
 
@@ -40,7 +35,9 @@ def init_distributed(
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo'")
     if timeout_s is not None:
-        check_number("timeout_s", timeout_s, positive=True)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
     else:
         env = os.environ.get("SHARDWISE_TIMEOUT")
         try:
@@ -66,24 +63,3 @@ def init_distributed(
     if not C.is_initialized():
         C.init_process_group(backend, timeout)
     return C.rank(), C.world_size(), device
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally (no communication) inside the block.
-
-    The backward after the block reduces everything accumulated, so k micro-batches (each
-    loss divided by k) give the same update as one batch k times larger.
-    """
-    check_module("model", model)
-    units = units_of(model)
-    if not units:
-        raise ValueError(f"no_sync needs a sharded model; {type(model).__name__} has no units")
-    before = [u.requires_grad_sync for u in units]
-    for u in units:
-        u.requires_grad_sync = False
-    try:
-        yield
-    finally:
-        for u, b in zip(units, before):
-            u.requires_grad_sync = b

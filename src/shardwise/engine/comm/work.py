@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .. import debug as D
+from . import debug as D
 from . import process_group as PG
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.

@@ -14,9 +14,9 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm import collectives as C
+from ..comm.transport import Transport, transport_for
 from . import dtensor as DT
-from .comm import collectives as C
-from .comm.transport import Transport, transport_for
 from .policies import ShardingStrategy
 
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
-from .comm import collectives as C
+from ..comm import collectives as C
 
 
 def world_mesh(device_type: str) -> DeviceMesh:

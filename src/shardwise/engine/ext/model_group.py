@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .comm import collectives as C
-from .inspect import units_of
-from .mesh import agreement_groups, model_ranks
+from ..comm import collectives as C
+from ..core.inspect import units_of
+from ..core.mesh import agreement_groups, model_ranks
 
 
 class ModelGroup:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import collectives as C
+from ..comm.debug import debug_enabled
 from . import dtensor as DT
-from .comm import collectives as C
 from .containers import ContainerCheck, find_holders
-from .debug import debug_enabled
 from .events import EventSink
 from .freeze_check import check_same_trainable
 from .mesh import agreement_groups

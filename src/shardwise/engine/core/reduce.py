@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .comm import collectives as C
-from .comm.work import Work
+from ..comm import collectives as C
+from ..comm.work import Work
 from .events import Span, now
 from .pack import pack_grad, prescale
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import dtensor as DT
-from .schedule import TrainingState
+from ..core import dtensor as DT
+from ..core.schedule import TrainingState
 
 if TYPE_CHECKING:
-    from .sharded_param import ShardedParam
+    from ..core.sharded_param import ShardedParam
 
 
 def install_state_dict_hooks(params: list[ShardedParam]) -> None:

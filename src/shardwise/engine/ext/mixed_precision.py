@@ -11,12 +11,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import dtensor as DT
-from .checks import check_bool, check_int, check_module, check_number
-from .comm import collectives as C
-from .inspect import sharded_params, units_of
+from ..comm import collectives as C
+from ..core import dtensor as DT
+from ..core.checks import check_bool, check_int, check_module, check_number
+from ..core.inspect import sharded_params, units_of
+from ..core.policies import dtype_name
 from .model_group import ModelGroup
-from .policies import dtype_name
 
 
 def _names(dts: Iterable[torch.dtype]) -> str:

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ..core.hooks import forward_post_hook, forward_pre_hook
+
 if TYPE_CHECKING:
-    from .mesh import MeshInfo
-    from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
-    from .unit import Unit
+    from ..core.mesh import MeshInfo
+    from ..core.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+    from ..core.unit import Unit
 
 
 class ShardwiseState:
@@ -56,12 +58,10 @@ class ShardwiseState:
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict]:
-        from .hooks import forward_pre_hook
 
         return forward_pre_hook(module, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        from .hooks import forward_post_hook
 
         return forward_post_hook(module, args, {}, output)
 
@@ -91,7 +91,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(method_name, str) or not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
     orig = getattr(module, method_name)
-    from .hooks import forward_post_hook, forward_pre_hook
 
     @functools.wraps(orig)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

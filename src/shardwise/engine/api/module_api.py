@@ -17,20 +17,23 @@ having nothing to change (docs/porting.md lists these).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
-from .checks import check_bool
+from ..core.checks import check_bool, check_module
+from ..core.inspect import units_of
+from ..core.schedule import ShardedState
+from ..core.unit import Unit
 from .module_comm_api import CommMethods
-from .schedule import ShardedState
 
 # Imported at run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a
 # model's class (typing.get_type_hints), and a sharded module's class inherits these.
 from .state import ShardwiseState, state_of
-from .unit import Unit
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -204,3 +207,24 @@ def _check_sharded_modules(what: str, modules: Iterable[Any]) -> None:
     if bad:
         raise ValueError(f"{what}: every module must be sharded with fully_shard; got "
                          f"unsharded {bad}")
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no communication) inside the block.
+
+    The backward after the block reduces everything accumulated, so k micro-batches (each
+    loss divided by k) give the same update as one batch k times larger.
+    """
+    check_module("model", model)
+    units = units_of(model)
+    if not units:
+        raise ValueError(f"no_sync needs a sharded model; {type(model).__name__} has no units")
+    before = [u.requires_grad_sync for u in units]
+    for u in units:
+        u.requires_grad_sync = False
+    try:
+        yield
+    finally:
+        for u, b in zip(units, before):
+            u.requires_grad_sync = b

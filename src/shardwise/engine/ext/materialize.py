@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .checks import check_int, check_module
-from .inspect import sharded_params, units_of
+from ..core.checks import check_int, check_module
+from ..core.inspect import sharded_params, units_of
 from .model_group import ModelGroup
 
 

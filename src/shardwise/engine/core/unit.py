@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..api.state import ShardwiseState
     from .context import ModelContext
-    from .state import ShardwiseState
 
+from ..comm.transport import Transport
 from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
-from .comm.transport import Transport
 from .events import Event, Span, now
 from .mesh import MeshInfo
 from .policies import MixedPrecisionPolicy

@@ -42,7 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .comm import collectives as C
+from ..comm import collectives as C
 from .dtensor import contiguous_stride
 
 

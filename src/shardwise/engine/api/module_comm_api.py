@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .checks import check_bool, check_int, check_number
-from .comm.transport import CustomTransport
+from ..comm.transport import CustomTransport
+from ..core.checks import check_bool, check_int, check_number
 
 # At run time, not under TYPE_CHECKING: Hugging Face resolves the annotations of a model's
 # class (typing.get_type_hints), and a sharded module's class inherits these.
-from .unit import Unit
+from ..core.unit import Unit
 
 
 class CommMethods:

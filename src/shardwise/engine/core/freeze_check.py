@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .comm import collectives as C
+from ..comm import collectives as C
 
 if TYPE_CHECKING:
     from .unit import Unit

@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from .checks import check_bool, check_module, check_number
-from .comm import collectives as C
-from .inspect import sharded_params, units_of
+from ..comm import collectives as C
+from ..core.checks import check_bool, check_module, check_number
+from ..core.inspect import sharded_params, units_of
 
 
 def clip_grad_norm_(

@@ -9,28 +9,28 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import dtensor as DT
-from .buffers import BufferPool
-from .checks import check_module, check_params, check_shard_placement
-from .context import ModelContext
-from .hooks import forward_post_hook, forward_pre_hook
-from .inspect import units_of
-from .mesh import MeshInfo, mesh_for_strategy, mesh_info_for
-from .misuse import watch_optimizers
-from .module_api import FSDP2Methods, check_reshard_after_forward
-from .policies import (
+from ..core import dtensor as DT
+from ..core.buffers import BufferPool
+from ..core.checks import check_module, check_params, check_shard_placement
+from ..core.context import ModelContext
+from ..core.hooks import forward_post_hook, forward_pre_hook
+from ..core.inspect import units_of
+from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
+from ..core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicyLike,
     resolve_wrap_policy,
 )
-from .schedule import ShardedState
+from ..core.schedule import ShardedState
+from ..core.sharded_param import ParamRef, ShardedParam
+from ..core.tp import TPContext, context_for
+from ..core.unit import Unit
+from .misuse import watch_optimizers
+from .module_api import FSDP2Methods, check_reshard_after_forward
 from .sd_hooks import install_state_dict_hooks
-from .sharded_param import ParamRef, ShardedParam
 from .state import ShardwiseState, state_of
-from .tp import TPContext, context_for
-from .unit import Unit
 from .wrap import assign_params, wrap_targets
 
 

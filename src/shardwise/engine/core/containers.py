@@ -36,7 +36,7 @@ from typing import Any
 
 from torch import nn
 
-from .comm import process_group as PG
+from ..comm import process_group as PG
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.work import Work
+from ..comm.work import Work
 from .sharded_param import ShardedParam
 
 
