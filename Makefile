@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 	# torchtitan 0.3.0 pins datasets<4.8, wandb and tensorboard, none of which the pieces the
 	# tests drive (model, parallelize, loss, optimizer, DCP checkpointer) import; installing them
 	# would pull hundreds of MB. (The test extra brings its own datasets, for parquet and saved
-	# dataset input: --no-deps leaves it as it is.) So: torchtitan alone, and what
+	# dataset input, and wandb and tensorboard for the metric sinks: --no-deps leaves them as
+	# they are.) So: torchtitan alone, and what
 	# it needs to import on CPU from the `frameworks` extra. torch stays 2.13.0 (checked below).
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
 	$(BIN)/pip list 2>/dev/null | grep -q '^torch  *2\.13\.0' || (echo "torch is not 2.13.0" && exit 1)
