@@ -1,7 +1,7 @@
 """The public engine API: `fully_shard` / `shard_model`, FSDP2's module facade and state.
 
 fully_shard.py    validate, collect parameters, build the unit, install hooks; shard_model
-wrap.py           which modules become units and which parameters each owns (shared with the planner)
+wrap.py           which modules become units and which parameters each owns (the planner too)
 module_api.py     FSDP2's FSDPModule methods, no_sync; module_comm_api.py: its comm methods
 state.py          `fully_shard.state(module)`; sd_hooks.py: state-dict hooks
 misuse.py         the optimizer-built-before-sharding check (the one process-wide hook)

@@ -79,22 +79,26 @@ class ShardedGradScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.enabled or id(optimizer) in self._found_inf:
             return
-        inv = 1.0 / self.scale_value
-        local_inf = False
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
+        # One fused unscale-and-check per (device, dtype) group, as torch's GradScaler: the
+        # found-inf flag stays on the device, so the only host read is the one below, after
+        # the flag was reduced over the model's ranks (not one sync per parameter).
+        by_group: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
                     g = DT.local_of(p.grad)  # the shard's rows; the flag is reduced below
-                    g.mul_(inv)
-                    if not torch.isfinite(g).all():
-                        local_inf = True
-        flag = torch.tensor([1.0 if local_inf else 0.0])
+                    by_group.setdefault((g.device, g.dtype), []).append(g)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if C.is_initialized() and C.backend() == "nccl" else torch.device("cpu"))
+        flag = torch.zeros(1, device=device)
+        with torch.no_grad():
+            for (dev, _), grads in by_group.items():
+                found = torch.zeros(1, device=dev)
+                inv = torch.full((1,), 1.0 / self.scale_value, device=dev)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+                flag = torch.maximum(flag, found.to(device, non_blocking=True))
         group = _model_group_of(optimizer)
         if C.is_initialized() and group.size > 1:
-            if C.backend() == "nccl":
-                flag = flag.cuda()
             for g in group.groups:  # [None] (one world all-reduce) unless on a subgroup
                 C.all_reduce(flag, g, op="max", label="ShardedGradScaler (found inf)")
         self._found_inf[id(optimizer)] = bool(flag.item() > 0)
