@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from shardwise.train import data as D  # noqa: E402
 from shardwise.train import token_cache as TC  # noqa: E402
+from shardwise.train import token_parts as P  # noqa: E402
 from tests.hf_tokenizer import VOCAB_SIZE, save_tokenizer  # noqa: E402
 
 
@@ -98,8 +99,12 @@ def main() -> None:
         hit = TC.prepare(path, folder, root / "cache")
         hit_s = time.perf_counter() - t
         assert built.built and not hit.built
-        parts = TC.split(hit, 0.05, a.seq)
-        stream = TC.TokenBatchStream(parts.train, a.seq, a.batch, 0, 1, seed=0)
+        t = time.perf_counter()
+        pieces = P.pieces(hit, a.seq + 1)
+        held = P.held_out(pieces, 0.05, seed=0)
+        train = P.Mixture([P.TokenPart(hit, pieces, ~held, a.seq, packed=True)], [1.0])
+        split_s = time.perf_counter() - t
+        stream = P.TokenBatchStream(train, a.seq, a.batch, 0, 1, seed=0)
         load = _timed(stream.next, a.batches)
         n = int(built.meta["tokens"])
         print(f"{fmt}: {mb:.1f} MB -> {n / 1e6:.2f} M tokens "
@@ -108,6 +113,7 @@ def main() -> None:
               f"({mb / tok_cpu:.1f} MB and {n / tok_cpu / 1e6:.2f} M tokens per CPU second)")
         print(f"  second run (hash data + tokenizer, map the cache): {hit_s * 1e3:.0f} ms "
               f"({tok_s / hit_s:.0f}x faster than tokenizing)")
+        print(f"  held-out split and packed windows (each run's start): {split_s * 1e3:.0f} ms")
         print(f"  one batch from the map: {load[0] * 1e6:.0f} us wall, {load[1] * 1e6:.0f} us "
               f"CPU = {100 * load[1] / step[1]:.4f}% of the step's CPU time")
 

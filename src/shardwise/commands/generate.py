@@ -45,6 +45,24 @@ def _load(folder: str):  # -> (logits fn, codec, block size)
     return (lambda x: model(input_ids=x).logits), codec, max_positions(folder)
 
 
+def _chat(logits, codec, args: argparse.Namespace, block: int) -> str:  # noqa: ANN001
+    """The model's reply to the prompt as a user message (the reply's text only)."""
+    import torch
+
+    from shardwise.train.sampling import HFCodec, sample_ids
+
+    if not isinstance(codec, HFCodec):
+        raise ValueError("--chat needs a Hugging Face model with a tokenizer; the built-in GPT "
+                         "reads bytes")
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}]
+    ids = torch.tensor([codec.encode_chat(messages)], dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = sample_ids(logits, ids, args.max_new_tokens, block, temperature=args.temperature,
+                     top_k=args.top_k, generator=gen, eos=codec.eos)
+    return codec.decode(out[0, ids.shape[1]:].tolist())
+
+
 def main(argv: list[str]) -> int:
     ap = Parser(prog=PROG, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,11 +75,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=40, help="default 40")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--checkpoint", default="", metavar="step-N",
-                    help="with a run folder: this checkpoint instead of the latest")
+                    help="with a run folder: this checkpoint instead of the latest (best: the "
+                         "lowest validation loss, checkpoints/best)")
+    ap.add_argument("--chat", action="store_true",
+                    help="the prompt is a user message: render it with the tokenizer's chat "
+                         "template (as training rendered chat data) and print the reply only")
+    ap.add_argument("--system", default="", metavar="TEXT",
+                    help="with --chat: a system message before the user's")
     args = ap.parse_args(argv)
     at_least(ap, "max-new-tokens", args.max_new_tokens, 1)
     at_least(ap, "top-k", args.top_k, 1)
     finite(ap, "temperature", args.temperature, 0.0)
+    if args.system and not args.chat:
+        ap.error("--system needs --chat")
     if not args.prompt:
         ap.error("--prompt='' is not allowed: give some text to continue")
     if not os.path.isdir(args.path):
@@ -84,8 +110,15 @@ def main(argv: list[str]) -> int:
                 found = rundir.checkpoints(Path(run))
                 if not found:
                     raise ValueError(f"run folder {args.path!r} holds no checkpoint yet")
-                step, ckpt = rundir.chosen(Path(run), args.checkpoint) if args.checkpoint \
-                    else found[-1]
+                if args.checkpoint == "best":
+                    ckpt = Path(run) / rundir.CKPT_DIR / "best"
+                    if not (ckpt / "manifest.json").is_file():
+                        raise ValueError(f"run folder {args.path!r} has no best checkpoint "
+                                         "(checkpoints/best: written at evaluations when "
+                                         "checkpoint.best is on)")
+                else:
+                    step, ckpt = rundir.chosen(Path(run), args.checkpoint) if args.checkpoint \
+                        else found[-1]
                 folder = os.path.join(tmp, "export")
                 export_run(str(ckpt), folder)
                 print(f"{PROG}: {ckpt.name} of {args.path}", file=sys.stderr)
@@ -99,9 +132,12 @@ def main(argv: list[str]) -> int:
             logits, codec, block = _load(folder)
             # The sampling flags reach the sampler (they were parsed and then dropped, so
             # --temperature 0 still sampled at 0.8 among the top 40).
-            text = sample_text(logits, codec, args.prompt, args.max_new_tokens, block,
-                               args.seed, torch.device("cpu"), temperature=args.temperature,
-                               top_k=args.top_k)
+            if args.chat:
+                text = _chat(logits, codec, args, block)
+            else:
+                text = sample_text(logits, codec, args.prompt, args.max_new_tokens, block,
+                                   args.seed, torch.device("cpu"),
+                                   temperature=args.temperature, top_k=args.top_k)
     except (CheckpointError, ValueError, OSError) as e:
         return report(PROG, e)
     print(text)

@@ -73,6 +73,16 @@ class HFCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation rendered as training renders it (hf_data's chat format: the
+        tokenizer's chat template, else `role: content` lines) up to the assistant's turn."""
+        from .hf_data import Encoder
+
+        enc = Encoder(self.tok)
+        text = enc._text(messages, True, "the --chat prompt")
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return ids if enc.chat_template else [*enc.prefix, *ids]
+
 
 def sample_text(logits: Callable[[torch.Tensor], torch.Tensor], codec: ByteCodec | HFCodec,
                 prompt: str, max_new_tokens: int, block_size: int, seed: int,
