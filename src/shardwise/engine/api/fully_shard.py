@@ -174,6 +174,7 @@ def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_fo
     unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, BufferPool())
     unit.modules = list(modules)
     unit.auto_reshard_after_forward = auto
+    unit.offload = offload
     for sp in params:
         sp.owner = unit
     for m in modules:

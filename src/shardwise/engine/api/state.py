@@ -5,9 +5,12 @@
 It is a view of the module's unit, not FSDP2's FSDPState: it has the public facts (mesh,
 policies, root, the modules of the unit) and the two entry points that PyTorch's own
 `torch.distributed.fsdp.register_fsdp_forward_method` calls on a state (`_pre_forward`,
-`_post_forward`), so that function works on shardwise modules unchanged. FSDP2's private
-fields (`_fsdp_param_groups`, `_comm_ctx`, ...) do not exist here: code that reads them
-gets an AttributeError instead of a silently empty answer.
+`_post_forward`), so that function works on shardwise modules unchanged. The facts that
+frameworks read from FSDP2's private fields are here too, with FSDP2's types:
+`_fsdp_param_group(s)` (policies, parameters, sizes, dtypes: param_group_view.py),
+`_mp_policy`, `_is_root`, `_modules`, `_device`. FSDP2's machinery (`_comm_ctx`, streams,
+prefetch lists) does not exist here: code that reads it gets an AttributeError instead of
+a silently empty answer.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..core.hooks import forward_post_hook, forward_pre_hook
+from .param_group_view import FSDPParamGroupView, torch_mp_policy
 
 if TYPE_CHECKING:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
     from ..core.mesh import MeshInfo
     from ..core.policies import CPUOffloadPolicy, MixedPrecisionPolicy
     from ..core.unit import Unit
@@ -30,6 +37,8 @@ class ShardwiseState:
 
     def __init__(self, unit: Unit) -> None:
         self.unit = unit
+        # One view for the unit's life, so `_fsdp_param_groups == [_fsdp_param_group]`.
+        self._group_view = FSDPParamGroupView(unit)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -55,6 +64,35 @@ class ShardwiseState:
     @property
     def reshard_after_forward(self) -> bool:
         return self.unit.reshards_after_forward
+
+    # FSDP2's private names for the same facts (what torchtitan, Lightning and FSDP2's own
+    # tests read), with FSDP2's types.
+
+    @property
+    def _fsdp_param_group(self) -> FSDPParamGroupView | None:
+        return self._group_view if self.unit.params else None
+
+    @property
+    def _fsdp_param_groups(self) -> list[FSDPParamGroupView]:
+        return [self._group_view] if self.unit.params else []
+
+    @property
+    def _mp_policy(self) -> TorchMP:
+        return torch_mp_policy(self.unit)
+
+    @property
+    def _is_root(self) -> bool | None:
+        # FSDP2 decides the root at lazy init (the first forward); None until then.
+        ready = self.unit.ctx is not None and self.unit.ctx.ready
+        return self.unit.is_root if ready else None
+
+    @property
+    def _modules(self) -> tuple[nn.Module, ...]:
+        return tuple(self.unit.modules)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.unit.mesh.device
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict]:

@@ -7,6 +7,7 @@ sharded_param.py for one parameter's rows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,3 +47,5 @@ class PendingGather:
     work: Work
     start: float
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
+    # CUDA: an event after the all-gather on its own stream ([Note: streams]); None on CPU.
+    done: Any = None

@@ -26,6 +26,7 @@ from .events import EventSink
 from .freeze_check import check_same_trainable
 from .mesh import agreement_groups
 from .schedule import Limits, Schedule, ShardedState, TrainingState
+from .streams import Streams, streams_for
 from .tp import check_params_in_place
 from .unit import Unit
 
@@ -42,6 +43,8 @@ class ModelContext:
         self._final_queued = False
         # set_post_optim_event: waited for at the start of the next root forward.
         self.post_optim_event: object | None = None
+        # CUDA: the side streams of [Note: streams] (None on CPU); made at the first forward.
+        self.streams: Streams | None = None
         # Holders of containers of units ([Note: data-dependent units] in containers.py).
         self.containers: ContainerCheck | None = None
         # Under SHARDWISE_DEBUG: the freeze check is due at this backward's first hook.
@@ -125,6 +128,7 @@ class ModelContext:
         check_params_in_place(self.units)
         self.groups = agreement_groups(self.units)
         _check_same_layout(self.units, self.groups)
+        self.streams = streams_for(self.top.mesh.device)
         holders = find_holders(_named_modules(self.top.modules),
                                lambda m: getattr(m, "_sw_unit", None) is not None)
         if holders:
@@ -136,7 +140,9 @@ class ModelContext:
 
     def begin_forward(self) -> None:
         event, self.post_optim_event = self.post_optim_event, None
-        if event is not None:
+        if self.streams is not None:
+            self.streams.step_starts(event)  # [Note: streams]
+        elif event is not None:
             event.wait()  # type: ignore[attr-defined]  # the current stream waits for it
         if self.schedule.state is TrainingState.PRE_BACKWARD:
             # A backward that never reached its final callback (e.g. an exception): reset.
@@ -179,6 +185,9 @@ class ModelContext:
     def finish_backward(self) -> None:
         """Root final callback: every gradient reduced, every unit sharded."""
         self.schedule.end_backward()
+        for u in self.units:
+            if u.offload_events:
+                u.settle_offload()
         self._final_queued = False
 
     def reset_iter_state(self) -> None:
@@ -189,6 +198,8 @@ class ModelContext:
         while sched.pending:
             pr: Any = sched.pending.popleft()
             pr.work.wait()
+            if pr.done is not None:  # [Note: streams]: before its buffers are reused
+                torch.cuda.current_stream().wait_event(pr.done)
             if pr.send is not None:
                 pr.unit.pool.release(pr.send)
         for u in self.units:

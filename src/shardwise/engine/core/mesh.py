@@ -66,6 +66,10 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     ndim = getattr(mesh, "ndim", None)
     if not isinstance(mesh, DeviceMesh):
         ndim = None  # not a DeviceMesh, whatever its ndim says
+    elif mesh.device_type == "cuda" and device.type != "cuda":
+        # A CUDA mesh over gloo (two ranks sharing one GPU, where NCCL refuses duplicate
+        # devices): the units live on the mesh's device, as FSDP2's do.
+        device = torch.device("cuda", torch.cuda.current_device())
     if ndim == 1:
         g = mesh.get_group()  # type: ignore[attr-defined]
         return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from ..comm import collectives as C
 from ..comm.work import Work
 from .events import Span, now
 from .pack import pack_grad, prescale
+from .streams import ExposedWait, record
 
 if TYPE_CHECKING:
     from .bucket import FlatBucket
@@ -40,6 +41,8 @@ class PendingReduce:
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
+    # CUDA: an event after the reduce-scatter on its own stream ([Note: streams]).
+    done: Any = None
 
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
@@ -81,6 +84,18 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     unit.copied["pack"] += send.numel() * send.element_size()
     if S > 1:
         out = torch.empty(width, dtype=dtype, device=mesh.device)
+        streams = unit.ctx.streams if unit.ctx is not None else None
+        if streams is not None:
+            # [Note: streams]: packed on the compute stream (which frees the gradients), then
+            # reduced on the reduce-scatter stream; `send` and `out` stay referenced by the
+            # pending reduction until the compute stream waited for `done`.
+            rs = streams.reduce_scatter
+            rs.wait_stream(torch.cuda.current_stream(mesh.device))
+            with torch.cuda.stream(rs):
+                work = unit.transport.reduce_scatter(out, send, False, unit.pool,
+                                                     label=unit.label)
+                done = record(rs)
+            return PendingReduce(unit, g, send, out, work, start, complete, post, done=done)
         work = unit.transport.reduce_scatter(out, send, True, unit.pool, label=unit.label)
         return PendingReduce(unit, g, send, out, work, start, complete, post)
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
@@ -125,9 +140,14 @@ def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
 
 def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     """Wait for a reduction and write the result into the sharded gradients."""
-    with Span() as wait:
-        out = pr.work.wait()
-    waited = wait.seconds
+    if pr.done is not None:
+        ctx = unit.ctx
+        waited = ExposedWait(pr.done, bool(ctx and ctx.sinks)).seconds
+        out = pr.out
+    else:
+        with Span() as wait:
+            out = pr.work.wait()
+        waited = wait.seconds
     mesh = unit.mesh
     nbytes = pr.out.numel() * pr.out.element_size()
     if pr.send is not None:
@@ -161,10 +181,10 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
                 continue  # no rank computed it: the gradient stays as it was (None)
             n = p.local_rows * p.row_numel
             grad = out[off : off + n].view(p.local.shape)
-            if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                grad = grad.to(device=p.host_device, dtype=p.orig_dtype)
-                unit.copied["reduce_out"] += n * grad.element_size()
             have = p.shard_grad
+            if grad.dtype != p.orig_dtype or grad.device != p.host_device:
+                grad = _to_host(unit, grad, p.orig_dtype, p.host_device, have is None)
+                unit.copied["reduce_out"] += n * grad.element_size()
             if p.direct or have is None:
                 # Direct params accumulated locally; the reduced sum replaces it.
                 p.set_shard_grad(grad)
@@ -185,3 +205,24 @@ def _run_hook(unit: Unit, hook: Callable[[torch.Tensor], None],
     with dev.stream(stream):
         hook(reduced)
     dev.current_stream().wait_stream(stream)
+
+
+def _to_host(unit: Unit, grad: torch.Tensor, dtype: torch.dtype, host: torch.device,
+             fresh: bool) -> torch.Tensor:
+    """The reduced gradient in the master dtype on the shard's device.
+
+    CPU offload on a GPU: copied device -> host without blocking, into pinned memory, and
+    an event recorded after the copy; the unit synchronizes on its events once, at the end
+    of backward (`Unit.settle_offload`), as FSDP2 does, instead of one blocking copy per
+    parameter inside backward. A gradient accumulated into one that exists already must be
+    there now, so that copy blocks.
+    """
+    grad = grad.to(dtype)
+    if grad.device == host:
+        return grad
+    if not (fresh and grad.is_cuda and host.type == "cpu"):
+        return grad.to(host)
+    pinned = torch.empty(grad.shape, dtype=dtype, device=host, pin_memory=True)
+    pinned.copy_(grad, non_blocking=True)
+    unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
+    return pinned

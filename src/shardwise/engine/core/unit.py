@@ -9,8 +9,9 @@ the step schedule (schedule.py). How bytes move is the mesh's transport (transpo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,10 +25,11 @@ from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
 from .events import Event, Span, now
 from .mesh import MeshInfo
-from .policies import MixedPrecisionPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .reduce import PendingReduce, finish_reduce, reduce_bucket
 from .schedule import ShardedState, TrainingState
 from .sharded_param import ShardedParam
+from .streams import ExposedWait, record
 
 
 class Unit:
@@ -52,6 +54,8 @@ class Unit:
         # (backward starts there); an explicit value applies to the root too.
         self.auto_reshard_after_forward = True
         self.mp = mp
+        # Where this unit's new shards live (set by fully_shard); read back by its state.
+        self.offload: CPUOffloadPolicy | None = None
         self.pool = pool
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -85,6 +89,9 @@ class Unit:
         # When the current forward/backward compute interval began (only with sinks).
         self.t_compute = 0.0
         self.buckets: list[FlatBucket] = []
+        # CUDA with CPU offload: events after this backward's non-blocking gradient copies
+        # to the host (reduce.py), synchronized once at the end of backward.
+        self.offload_events: list[Any] = []
         self.params: list[ShardedParam] = []
         self.set_params(params)
 
@@ -168,18 +175,31 @@ class Unit:
             if S == 1:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-            send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
-            shard = send[: g.numel]
-            with torch.no_grad():
-                # Casts to the compute dtype and, under offload, copies host -> device.
-                torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
-                                      in zip(g.params, g.offsets)],
-                                     [p.padded_shard.reshape(-1) for p in g.params],
-                                     non_blocking=True)
+            streams = self.ctx.streams if self.ctx is not None else None
+            if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
+                # An explicit unshard() between steps: the shards may have just been written.
+                streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
+            with _on(streams and streams.copy_in):  # [Note: streams]
+                out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+                send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
+                shard = send[: g.numel]
+                with torch.no_grad():
+                    # Casts to the compute dtype and, under offload, copies host -> device.
+                    torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
+                                          in zip(g.params, g.offsets)],
+                                         [p.padded_shard.reshape(-1) for p in g.params],
+                                         non_blocking=True)
             # all-to-all also replicates the shard into every peer's row.
             self.copied["gather_in"] += (g.numel * shard.element_size()
                                          * (S if transport.name == "all_to_all" else 1))
+            if streams is not None:
+                streams.all_gather.wait_stream(streams.copy_in)
+                with _on(streams.all_gather):
+                    # Synchronous on NCCL means: the all-gather stream waits, not the host.
+                    work = transport.all_gather(out, send, g.numel, False, label=self.label)
+                    done = record(streams.all_gather)
+                self._gathers.append(PendingGather(g, send, out, work, start, 0.0, done))
+                continue
             with Span() as call:
                 work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
@@ -196,8 +216,11 @@ class Unit:
         S = self.mesh.shard_size
         with torch.no_grad():
             for pg in self._gathers:
-                with Span() as wait:
-                    pg.work.wait()
+                if pg.done is not None:  # [Note: streams]: the compute stream waits
+                    wait: Any = ExposedWait(pg.done, bool(self.ctx and self.ctx.sinks))
+                else:
+                    with Span() as wait:
+                        pg.work.wait()
                 self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
                 for p in pg.bucket.params:
@@ -295,6 +318,18 @@ class Unit:
             pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
         return [pr for pr in pending if pr is not None]
 
+    def settle_offload(self) -> None:
+        """Wait for the gradient copies to the host (CPU offload on a GPU): the optimizer
+        steps them on the host next."""
+        for ev in self.offload_events:
+            ev.synchronize()
+        self.offload_events.clear()
+
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
         finish_reduce(self, pr)
+
+
+def _on(stream: Any) -> Any:
+    """Run the block on `stream` (CUDA), or where it runs now (None: CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
