@@ -10,6 +10,7 @@ import torch
 
 from shardwise.testing import run_distributed
 from shardwise.train import token_cache as TC
+from shardwise.train import token_parts as P
 from tests.dist.token_workers import shared_prepare
 from tests.hf_tokenizer import save_tokenizer
 
@@ -25,10 +26,10 @@ def test_prepare_shared_builds_once_and_ranks_read_their_slices(tmp_path: Path) 
     assert len({o["key"] for o in out}) == 1 and len({o["tokens"] for o in out}) == 1
     assert [p.name for p in cache.iterdir()] == [out[0]["key"]]
     # The three ranks' batches are the single-process stream's global batches, in rank order.
-    ref = TC.TokenBatchStream(TC.split(TC.prepare(data, folder, cache), 0.1, 16).train, 16, 6,
-                              0, 1, seed=9)
+    ref = P.TokenBatchStream(P.split(TC.prepare(data, folder, cache), 0.1, 16, seed=9)[0],
+                             16, 6, 0, 1, seed=9)
     for step in range(3):
-        x, y = ref.next()
+        x, y, _ = ref.next()
         assert torch.equal(torch.tensor(sum((o["x"][step] for o in out), [])), x)
         assert torch.equal(torch.tensor(sum((o["y"][step] for o in out), [])), y)
 

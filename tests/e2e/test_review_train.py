@@ -48,15 +48,16 @@ def _global_mean(ws: Path) -> tuple[float, list[int]]:
     from transformers import AutoModelForCausalLM
 
     from shardwise.train import token_cache as TC
+    from shardwise.train import token_parts as P
 
     with contextlib.chdir(ws):  # the saved data.path is relative to the run's cwd
         cfg = O.build(O.read_toml(ws / "runs" / "b2" / "config.toml"))
     data = TC.prepare(ws / "pc.jsonl", ws / "llama", ws / "runs" / "token-cache")
-    parts = TC.split(data, cfg.data.val_fraction, SEQ)
-    x, y = TC.TokenBatchStream(parts.train, SEQ, 2, 0, 1, cfg.data.seed).next()
+    train, _ = P.split(data, cfg.data.val_fraction, SEQ, cfg.data.seed)
+    x, y, pos = P.TokenBatchStream(train, SEQ, 2, 0, 1, cfg.data.seed).next()
     model = AutoModelForCausalLM.from_pretrained(str(ws / "llama"), dtype=torch.float32)
     with torch.no_grad():
-        logits = model(input_ids=x).logits
+        logits = model(input_ids=x, position_ids=pos, use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
     return loss.item(), (y != -100).sum(1).tolist()
 

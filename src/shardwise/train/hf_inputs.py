@@ -25,8 +25,8 @@ from . import records as R
 
 if TYPE_CHECKING:
     from .config import Config, DataSection
-    from .token_cache import Progress
-    from .token_parts import Mixture
+    from .token_cache import Progress, TokenData
+    from .token_parts import Mixture, TokenPart
 
 TRAIN_SPLITS = ("train",)
 EVAL_SPLITS = ("validation", "valid", "val", "test")
@@ -106,6 +106,13 @@ def _named(part_len: int, side: str, path: str, seq_len: int, n_tokens: int) -> 
                                   else ""))
 
 
+def _whole(data: TokenData, seq_len: int, packed: bool) -> TokenPart:
+    from .token_parts import TokenPart, pieces
+
+    p = pieces(data, seq_len + 1)
+    return TokenPart(data, p, np.ones(len(p.start), dtype=bool), seq_len, packed)
+
+
 def load(cfg: Config, seq_len: int,
          progress: Callable[[Progress], None] | None = None) -> HFData:
     """Every source tokenized (a collective: token_cache.prepare_shared) and cut into
@@ -123,23 +130,19 @@ def load(cfg: Config, seq_len: int,
     for path, weight in sources(d):
         data = TC.prepare_shared(resolve(path, "train"), cfg.model.hf, cache,
                                  progress=progress)
-        pieces = P.pieces(data, seq_len + 1)
-        held = (np.zeros(len(pieces.start), dtype=bool) if d.eval_path
-                else P.held_out(pieces, d.val_fraction, d.seed))
-        part = P.TokenPart(data, pieces, ~held, seq_len, d.packing)
+        if d.eval_path:
+            part = _whole(data, seq_len, d.packing)
+        else:
+            part, v = P.split(data, d.val_fraction, seq_len, d.seed, d.packing)
+            _named(len(v), "validation", path, seq_len, v.n_tokens)
+            val.append(v)
         _named(len(part), "training", path, seq_len, part.n_tokens)
         train.append(part)
         weights.append(weight)
-        if not d.eval_path:
-            v = P.TokenPart(data, pieces, held, seq_len, d.packing)
-            _named(len(v), "validation", path, seq_len, v.n_tokens)
-            val.append(v)
     if d.eval_path:
         data = TC.prepare_shared(resolve(d.eval_path, "eval"), cfg.model.hf, cache,
                                  progress=progress)
-        pieces = P.pieces(data, seq_len + 1)
-        v = P.TokenPart(data, pieces, np.ones(len(pieces.start), dtype=bool), seq_len,
-                        d.packing)
+        v = _whole(data, seq_len, d.packing)
         _named(len(v), "evaluation", d.eval_path, seq_len, v.n_tokens)
         val.append(v)
     train_mix, val_mix = P.Mixture(train, weights), P.Mixture(val, [1.0] * len(val))

@@ -68,6 +68,14 @@ def held_out(p: Pieces, val_fraction: float, seed: int) -> np.ndarray:
     return val
 
 
+def split(data: TokenData, val_fraction: float, seq_len: int, seed: int,
+          packed: bool = True) -> tuple[TokenPart, TokenPart]:
+    """(training, validation) samples of one entry ([Note: held-out split])."""
+    p = pieces(data, seq_len + 1)
+    held = held_out(p, val_fraction, seed)
+    return TokenPart(data, p, ~held, seq_len, packed), TokenPart(data, p, held, seq_len, packed)
+
+
 class TokenPart:
     """The samples of one source on one side of the split ([Note: packing]).
     `rows(samples)` gives (inputs, targets, positions): (B, T) int64 tensors, targets -100
@@ -197,9 +205,9 @@ class TokenBatchStream(D.BatchStream):
     (inputs, targets, positions) when packed; the global order and its state are
     data.BatchStream's ([Note: data position])."""
 
-    def __init__(self, mix: Mixture, seq_len: int, batch_size: int, rank: int, world: int,
-                 seed: int, device: torch.device | str = "cpu") -> None:
-        self.mix = mix
+    def __init__(self, mix: Mixture | TokenPart, seq_len: int, batch_size: int, rank: int,
+                 world: int, seed: int, device: torch.device | str = "cpu") -> None:
+        self.mix = mix if isinstance(mix, Mixture) else Mixture([mix], [1.0])
         super().__init__(torch.empty(0), seq_len, batch_size, rank, world, seed, device)
 
     def _windows(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -212,11 +220,12 @@ class TokenBatchStream(D.BatchStream):
         return _on(self.mix.rows(idx.numpy()), self.device)  # type: ignore[return-value]
 
 
-def val_batches(mix: Mixture, seq_len: int, batch_size: int, rank: int, world: int,
+def val_batches(mix: Mixture | TokenPart, seq_len: int, batch_size: int, rank: int, world: int,
                 n_batches: int, device: torch.device | str = "cpu", seed: int = 0,
                 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """The same validation batches every time: a fixed seeded order of the validation
     samples (so a few batches draw from every source and file), cycled."""
+    mix = mix if isinstance(mix, Mixture) else Mixture([mix], [1.0])
     order = np.random.default_rng([seed, 0xE7A1]).permutation(len(mix))
     dev = torch.device(device)
     for b in range(n_batches):
