@@ -52,6 +52,7 @@ def test_mix_eval_file_unpacked_best_and_chat(tmp_path: Path) -> None:
     low = min(rows, key=lambda r: r["val_loss"])
     assert (extra["step"], extra["val_loss"]) == (low["step"], low["val_loss"])
     assert [r["step"] for r in rows if r.get("best")][-1] == low["step"]
+    assert f"best val loss    {low['val_loss']:.4f} at step {low['step']}" in out, out
     gen = shardwise("generate", "runs/mix", "--checkpoint", "best", "--chat", "--prompt",
                     "What is 3 + 3?", "--temperature", "0", "--max-new-tokens", "4", cwd=tmp_path)
     assert gen.returncode == 0 and "What is" not in gen.stdout, gen.stderr

@@ -149,6 +149,9 @@ class ConsoleReporter:
               f"{s['wall_s']:.0f} s on {s['world']} ranks)")
         print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
               f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
+        if s.get("best"):
+            print(f"  best val loss    {s['best']['val_loss']:.4f} at step {s['best']['step']} "
+                  "(weights in checkpoints/best)")
         if math.isnan(s["tokens_per_s"]):
             print("  throughput       not measured: the first step of a run pays for "
                   "initialization and is not timed (run 2 or more steps)")

@@ -375,6 +375,9 @@ class Trainer:
             "start_step": self.start, "world": self.world, "params": self.n_params,
             "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
             "final_val_loss": self.val_loss,
+            # The best evaluation of this invocation that beat the run's earlier best, if any.
+            "best": ({"step": self.best.step, "val_loss": self.best.loss}
+                     if self.best.step else {}),
             "tokens_per_s": self.timed_tokens / self.timed_s if self.timed_s else math.nan,
             "peak_memory_mb": [r[0] for r in rows],
             "sample_peak_memory_mb": [r[3] for r in rows],
