@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -121,3 +122,62 @@ def state_vs_fsdp2(rank: int, world: int) -> None:
         # Torch's own policy classes, as FSDP2 code checks them with isinstance.
         pg = facts["shardwise"]["blocks.0"]["offload_policy"]
         assert isinstance(pg, OffloadPolicy), pg
+
+
+# --- clip_grad_norm_ with ignored parameters -------------------------------------------------
+
+PER_RANK = 3
+
+
+def _ref_grads(ref: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    ref.zero_grad()
+    (ref(x) ** 2).mean().backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def clip_with_ignored(rank: int, world: int, norm_type: float, reduced: bool) -> None:
+    """The head is ignored (fully_shard(..., ignored_params=...)): its gradients stay on each
+    rank, from that rank's own batch. `reduced`: the user averages them over the ranks first
+    (then they are the unsharded model's); else they differ per rank."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    ignored = {"head.weight", "head.bias"}
+    for b in model.blocks:
+        sw.fully_shard(b)
+    sw.fully_shard(model, ignored_params={model.head.weight, model.head.bias})
+    x = torch.randn(PER_RANK * world, 4, generator=torch.Generator().manual_seed(5))
+    rows = [slice(r * PER_RANK, (r + 1) * PER_RANK) for r in range(world)]
+    (model(x[rows[rank]]) ** 2).mean().backward()
+    full = _ref_grads(ref, x)  # the unsharded model's gradients (a mean over all rows)
+    own = [_ref_grads(ref, x[s]) for s in rows]  # each rank's ignored gradients
+    if reduced:
+        for name, p in model.named_parameters():
+            if name in ignored:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+    # What each rank holds: the (reduced, shared) sharded gradients and its own ignored ones.
+    held = [{n: (own[r][n] if n in ignored and not reduced else g) for n, g in full.items()}
+            for r in range(world)]
+
+    def norm_of(grads: dict[str, torch.Tensor]) -> float:
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads.values()]),
+            norm_type).item()
+
+    per_rank = [norm_of(h) for h in held]
+    # The documented value: the largest over the ranks of the norm of what a rank holds
+    # (the unsharded model's norm when the ignored gradients agree).
+    want = max(per_rank)
+    if reduced:
+        assert abs(want - norm_of(full)) <= 1e-5 * want, (want, norm_of(full))
+    max_norm = 1e-3
+    got = sw.clip_grad_norm_(model, max_norm, norm_type=norm_type).item()
+    assert abs(got - want) <= 1e-5 * want, (
+        f"rank {rank}: norm {got}, want {want} (each rank's own: {per_rank})")
+    coef = min(1.0, max_norm / (want + 1e-6))
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if name not in ignored else p.grad
+        expect = held[rank][name] * coef
+        assert torch.allclose(g, expect, rtol=1e-5, atol=1e-9), (
+            f"rank {rank} {name}: clipped {g.flatten()[:4]} vs {expect.flatten()[:4]}")

@@ -3,6 +3,8 @@ parameters), each against a reference, at 2 and 3 ranks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shardwise.testing import run_distributed
@@ -14,3 +16,14 @@ def test_state_facts_match_fsdp2(world: int) -> None:
     """fully_shard.state(m).offload_policy raised AttributeError; FSDP2's param-group facts
     (policies, params, sizes, dtypes) read the same as torch's own FSDP2 on the same model."""
     run_distributed(W.state_vs_fsdp2, world, timeout_s=120, collective_timeout_s=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["per_rank", "user_reduced"])
+def test_clip_grad_norm_ignored_params(world: int, norm_type: float, reduced: bool) -> None:
+    """Ignored parameters' gradients were counted locally: where they differ per rank, each
+    rank returned (and clipped with) its own norm. Now every rank returns the largest norm a
+    rank holds, the unsharded model's when they agree, and clips with that one coefficient."""
+    run_distributed(W.clip_with_ignored, world, norm_type, reduced, timeout_s=120,
+                    collective_timeout_s=30)

@@ -10,6 +10,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..core.checks import check_bool, check_module, check_number
 from ..core.inspect import sharded_params, units_of
+from .model_group import ModelGroup
 
 
 def clip_grad_norm_(
@@ -19,9 +20,20 @@ def clip_grad_norm_(
 
     The norm is over the whole model, each parameter counted once: shards are reduced
     across the shard group (they are disjoint), never across replicas (they are copies).
-    Every rank returns the same value. Parameters that no unit owns (ignored parameters)
-    are the same on every rank and are counted locally. Only the units' own groups take
-    part, never the world: on a model sharded on a subgroup, call it on the model's ranks.
+    Every rank returns the same value, and clips with the same coefficient.
+    Only the units' own groups take part, never the world: on a model sharded on a
+    subgroup, call it on the model's ranks.
+
+    [Note: ignored gradients] Parameters that no unit owns (`ignored_params`, or modules
+    left unsharded) are replicated, and nothing reduces their gradients: each rank holds
+    its own. The total is the largest, over the model's ranks, of the norm of the gradient
+    that rank holds (the shared sharded gradients plus its own ignored ones): the
+    unsharded model's norm when the ignored gradients agree across ranks (the user reduced
+    them, or they are frozen), and otherwise a bound under which every rank's clipped
+    gradient is within `max_norm`. It costs one scalar all-reduce (MAX) over the model's
+    ranks, only on models with ignored parameters that require gradients. (FSDP2 has no
+    answer to copy: torch.nn.utils.clip_grad_norm_ refuses its mix of DTensor and plain
+    gradients.)
     """
     check_module("model", model)
     # inf is a real use: the trainer asks for the norm only, with no clipping.
@@ -33,8 +45,8 @@ def clip_grad_norm_(
     units = units_of(model)
     sps = sharded_params(model)
     sharded_ids = {id(p.sharded) for p in sps}
-    local_grads = [p.grad for p in model.parameters()
-                   if id(p) not in sharded_ids and p.grad is not None]
+    unowned = [p for p in model.parameters() if id(p) not in sharded_ids]
+    local_grads = [p.grad for p in unowned if p.grad is not None]
     device = units[0].mesh.device if units else torch.device("cpu")
     op = "max" if norm_type == math.inf else "sum"
 
@@ -75,7 +87,12 @@ def clip_grad_norm_(
         if mesh.shard_size > 1:
             C.all_reduce(part, mesh.shard_group, op=op, label="clip_grad_norm_")
         total = combine(total, part)
-    total = combine(total, partial(local_grads))
+    mine = partial(local_grads)
+    # Decided by structure (requires_grad), not by who holds a gradient, so that every
+    # rank issues it ([Note: ignored gradients]).
+    if units and any(p.requires_grad for p in unowned):
+        ModelGroup.of_units(units).max_(mine, label="clip_grad_norm_ ignored")
+    total = combine(total, mine)
     if norm_type != math.inf:
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

@@ -91,6 +91,13 @@ class ModelGroup:
             return C.agree(flag, self.groups[0], label=label)
         return C.max_over([0 if flag else 1], self.groups, label=label)[0] == 0
 
+    def max_(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
+        """The elementwise MAX of `tensor` over the model's ranks, in place (over each group
+        in turn on a product mesh: a repeated rank changes nothing under MAX)."""
+        for g in self.groups:
+            C.all_reduce(tensor, g, op="max", label=label)
+        return tensor
+
     def broadcast(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
         """The first rank's `tensor`, in place on every rank of the model."""
         if len(self.groups) == 1:
