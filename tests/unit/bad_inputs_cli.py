@@ -87,6 +87,11 @@ TRAIN_CASES = [
     train("model.dtype", "int8", "model.dtype='int8' is not one of: fp32, bf16, fp16"),
     train("data.cache_dir", A_FILE, f"data.cache_dir='{A_FILE}' {NA}: it is a file"),
     train("data.reset", "maybe", "data.reset='maybe' is not a valid bool"),
+    train("data.mix", f"{NO_SUCH}:1", f"data.mix='{NO_SUCH}:1': '{NO_SUCH}' does not exist"),
+    train("data.mix", A_FILE, f"data.mix='{A_FILE}': '{A_FILE}' {NA}: give PATH:WEIGHT"),
+    train("data.eval_path", NO_SUCH, f"data.eval_path='{NO_SUCH}' does not exist"),
+    train("data.packing", "maybe", "data.packing='maybe' is not a valid bool"),
+    train("checkpoint.best", "2", "checkpoint.best='2' is not a valid bool"),
     train("train.activation_checkpointing", "maybe",
           "train.activation_checkpointing='maybe' is not a valid bool"),
     train("train.compile", "2", "train.compile='2' is not a valid bool"),
@@ -139,7 +144,8 @@ PLAN_CASES = [
         "(llama3-8b) carries its own shape", knob="shardwise plan --config --layers"),
     cli("plan --model llama3-8b --ffn 64", "--ffn with a preset", "carries its own shape",
         knob="shardwise plan --model --ffn"),
-    cli("plan --params 1e9 --tp-embedding=yes", "yes", IGNORED),
+    cli("plan --params 1e9 --tp-embeddings yes", "yes",
+        "argument --tp-embeddings: invalid choice: 'yes'"),
     cli("plan --params 1e9 --world-size 0", "0", f"--world-size=0 {NA}: must be >= 1"),
     cli("plan --params 1e9 --strategy ZERO3", "ZERO3", "--strategy='ZERO3' is not one of: "
         "FULL_SHARD"),
@@ -233,6 +239,8 @@ GENERATE_CASES = [
         f"--max-new-tokens=0 {NA}: must be >= 1"),
     cli("generate runs/x --prompt x --temperature nan", "nan", "--temperature=nan"),
     cli("generate runs/x --prompt x --top-k 0", "0", f"--top-k=0 {NA}: must be >= 1"),
+    cli("generate runs/x --prompt x --system hi", "(without --chat)",
+        "--system needs --chat"),
 ]
 
 DEMO_CASES = [
