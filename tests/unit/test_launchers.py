@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shardwise import launchers as L
@@ -109,3 +111,23 @@ def test_topology() -> None:
                                                       "(2,): FULL_SHARD over 2 ranks")
     assert L.topology(2, "FULL_SHARD", environ={"SHARDWISE_LAUNCHER": "slurm"})["launcher"] \
         == "slurm"
+
+
+def test_init_distributed_reads_slurm_without_torchrun(tmp_path) -> None:
+    """`srun python script.py` calling only sw.init_distributed(): one task of one, on
+    127.0.0.1; it used to start a lone group that ignored Slurm (eight tasks, eight models)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+                "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
+                "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "1",
+                "SLURM_TASKS_PER_NODE": "1"})
+    code = ("import os, shardwise as sw; r, w, _ = sw.init_distributed(); "
+            "print(r, w, os.environ['MASTER_PORT'], os.environ['SHARDWISE_LAUNCHER'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", str(20000 + 4242 % 10000), "slurm"]

@@ -10,6 +10,7 @@ import torch
 
 from . import collectives as C
 from .process_group import DEFAULT_TIMEOUT_S
+from .slurm import use_slurm_env
 
 
 def free_port() -> int:
@@ -47,7 +48,10 @@ def init_distributed(
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"SHARDWISE_TIMEOUT={env!r} is not allowed: must be a finite "
                              "number of seconds > 0")
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ and not C.is_initialized():
+        use_slurm_env()  # an srun task without torchrun: Slurm's variables say who we are
+    if "RANK" not in os.environ and not C.is_initialized():
+        # Alone (no launcher); a group that exists already (Ray Train's) is joined as it is.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

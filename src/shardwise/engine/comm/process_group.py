@@ -50,6 +50,7 @@ import atexit
 import datetime
 import logging
 import os
+import platform
 import sys
 import time
 import weakref
@@ -149,6 +150,7 @@ def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()
     wait_for_gloo_drops(_FAILED_DRAIN_S)
+    wait_for_gloo_workers(_FAILED_DRAIN_S)
 
 
 def finish() -> None:
@@ -163,7 +165,9 @@ def finish() -> None:
                 _bounded_barrier(timeout_s or DEFAULT_TIMEOUT_S)
         finally:
             dist.destroy_process_group()
-    wait_for_gloo_drops(_FAILED_DRAIN_S if _failed else _DRAIN_LIMIT_S)
+    limit_s = _FAILED_DRAIN_S if _failed else _DRAIN_LIMIT_S
+    wait_for_gloo_drops(limit_s)
+    wait_for_gloo_workers(limit_s)
 
 
 DEFAULT_TIMEOUT_S = 300.0  # torch's default collective timeout
@@ -196,6 +200,76 @@ def wait_for_gloo_drops(limit_s: float) -> bool:
     return True
 
 
+# c10d names each ProcessGroupGloo worker thread so (runLoop sets it; torch >= 2.5).
+_GLOO_WORKER = "pt_gloo_runloop"
+# The futex syscall's number by machine: a parked worker sleeps in one (its queue's condition
+# variable). Another machine falls back to the thread's state alone.
+_FUTEX = {"x86_64": "202", "aarch64": "98", "arm64": "98", "riscv64": "98", "ppc64le": "221",
+          "s390x": "238"}.get(platform.machine())
+# A worker waiting for the GIL sleeps in a futex too, but gets the GIL while this thread
+# sleeps between samples: parked must hold this many samples in a row, a switch interval apart.
+_PARKED_SAMPLES = 3
+
+
+def busy_gloo_workers() -> int | None:
+    """How many gloo worker threads of this process are not parked; None where /proc is absent.
+
+    Parked: asleep in a futex wait ("S" in /proc/self/task/*/stat, syscall futex). Running,
+    runnable, or in any other call, a worker may still be about to drop what a finished
+    collective gave it ([Note: gloo teardown]).
+    """
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    busy = 0
+    for tid in tids:
+        task = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{task}/comm") as f:
+                if f.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread has ended
+            continue
+        state = stat[stat.rindex(")") + 2]
+        call = _FUTEX
+        if _FUTEX is not None:
+            try:
+                with open(f"{task}/syscall") as f:
+                    call = f.read().split(" ", 1)[0]
+            except OSError:  # not readable here: judge by the state alone
+                pass
+        if state != "S" or call != _FUTEX:
+            busy += 1
+    return busy
+
+
+def wait_for_gloo_workers(limit_s: float) -> bool:
+    """Sleep (GIL released) until every gloo worker thread is parked; False on timeout.
+
+    The drops of collectives that did not go through `handoff` (DTensor's own, the user's
+    `dist.all_reduce`) have no alias to watch; they are done once the worker that ran the
+    collective is back in its queue's wait ([Note: gloo teardown]). Where /proc is absent
+    (not Linux) there is nothing to watch and this returns at once.
+    """
+    deadline = time.monotonic() + limit_s
+    parked = 0
+    while parked < _PARKED_SAMPLES:
+        busy = busy_gloo_workers()
+        if busy is None:
+            return True
+        parked = parked + 1 if busy == 0 else 0
+        if parked == _PARKED_SAMPLES:
+            break
+        if time.monotonic() >= deadline:
+            log.debug("%d gloo worker threads still busy at exit", busy)
+            return False
+        time.sleep(sys.getswitchinterval())
+    return True
+
+
 def ending_with_error() -> bool:
     """Whether this process is ending with an error (exit handlers ask)."""
     return _ending_with_error()
@@ -213,9 +287,9 @@ def _at_exit() -> None:
     try:
         if not is_initialized():
             wait_for_gloo_drops(_DRAIN_LIMIT_S)
+            wait_for_gloo_workers(_DRAIN_LIMIT_S)
         elif _ending_with_error():
-            dist.destroy_process_group()
-            wait_for_gloo_drops(_FAILED_DRAIN_S)
+            destroy_process_group()
         else:
             finish()
     except Exception as e:  # noqa: BLE001 - an exit handler must not turn success into failure
@@ -223,6 +297,7 @@ def _at_exit() -> None:
         log.warning("shardwise exit: the barrier with the peers failed (a peer probably ended "
                     "with an error): %s", " ".join(str(e).split())[:300])
         wait_for_gloo_drops(_FAILED_DRAIN_S)
+        wait_for_gloo_workers(_FAILED_DRAIN_S)
 
 
 # --- who is in a group ------------------------------------------------------------------

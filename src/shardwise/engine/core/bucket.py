@@ -28,6 +28,17 @@ class FlatBucket:
     grad_numel: int = 0
     sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
 
+    # The reduction's "has a gradient" flags when every parameter has one, per reduce dtype
+    # (made once per layout: the bucket is rebuilt when the layout changes).
+    _all_flags: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def all_flags(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        ones = self._all_flags.get(dtype)
+        if ones is None:
+            ones = self._all_flags[dtype] = torch.ones(len(self.grad_params), dtype=dtype,
+                                                       device=device)
+        return ones
+
     def __post_init__(self) -> None:
         for p in self.params:
             self.sizes.append(p.chunk_numel)

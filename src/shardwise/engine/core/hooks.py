@@ -129,7 +129,7 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         # A recomputation (activation checkpointing): see forward_pre_hook.
         return _cast(output, out_dtype)
     if ctx.sinks:
-        unit._emit("forward", "", 0, unit.t_compute)
+        unit.emit("forward", "", 0, unit.t_compute)
     grad = torch.is_grad_enabled()
     needs = [t for t in tensors_in(output) if t.requires_grad] if grad else []
     ctx.schedule.post_forward(unit)

@@ -129,11 +129,7 @@ def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
            complete: bool) -> torch.Tensor:
     """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
     if complete:
-        ones = unit._ones.get((id(g), dtype))
-        if ones is None:
-            ones = unit._ones[(id(g), dtype)] = torch.ones(len(grads), dtype=dtype,
-                                                           device=unit.mesh.device)
-        return ones
+        return g.all_flags(dtype, unit.mesh.device)
     return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype,
                         device=unit.mesh.device)
 
@@ -153,16 +149,16 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     if pr.send is not None:
         if mesh.transport.name != "native":
             unit.copied["reduce_sum"] += nbytes  # the transport's local sum
-        unit._emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
+        unit.emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
         unit.pool.release(pr.send)
         if mesh.replicate_size > 1:
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
             # Synchronous: the whole call is exposed.
-            unit._emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds, call.end)
+            unit.emit("all_reduce", "all_reduce", nbytes, call.start, call.seconds, call.end)
     elif mesh.replicate_size > 1:
-        unit._emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
+        unit.emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
     n_grad = pr.bucket.grad_numel
     # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
     counts = None if pr.complete else out[n_grad:].tolist()

@@ -105,7 +105,6 @@ class Unit:
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
-        self._ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
@@ -152,7 +151,7 @@ class Unit:
         """How errors and debug fingerprints name this unit's collectives."""
         return self.name or "<root>"
 
-    def _emit(self, phase: str, collective: str, nbytes: int, start: float,
+    def emit(self, phase: str, collective: str, nbytes: int, start: float,
               wait: float = 0.0, end: float | None = None) -> None:
         ctx = self.ctx
         if ctx is not None and ctx.sinks:
@@ -233,7 +232,7 @@ class Unit:
                                                  for p in pg.bucket.params])
                 self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
                 self.pool.release(pg.out)
-                self._emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
+                self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
                            pg.start, wait.seconds + pg.blocked)
             if S == 1:
                 for p in self.params:
@@ -278,7 +277,7 @@ class Unit:
                 ref.module._parameters[ref.name] = p.sharded
             p.free_unsharded()
         self.state = ShardedState.SHARDED
-        self._emit("reshard", "", 0, start)
+        self.emit("reshard", "", 0, start)
 
     # --- gradients ----------------------------------------------------------------------
 
@@ -291,7 +290,7 @@ class Unit:
         dtype, as they will be reduced in it) for a later backward to reduce.
         """
         if self.ctx is not None and self.ctx.sinks:
-            self._emit("backward", "", 0, self.t_compute)
+            self.emit("backward", "", 0, self.t_compute)
         # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
         self.unsynced = not self.requires_grad_sync
         if self.requires_grad_sync:

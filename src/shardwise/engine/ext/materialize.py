@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..core.checks import check_int, check_module
 from ..core.inspect import sharded_params, units_of
+from ..core.sharded_param import ShardedParam
+from .full_init import FullShapeInit, fill_sentinel, initializer, still_unfilled, unfilled
 from .model_group import ModelGroup
 
 
@@ -22,32 +24,37 @@ def materialize(
 ) -> nn.Module:
     """Allocate the local shards of a sharded meta-device model, then initialize them.
 
-    Without `init_fn`, each module's `reset_parameters()` runs while the module holds plain
-    views of its local shards, so no rank ever holds the whole model (dim-0 sharding leaves
-    fan-in, dim 1, intact: standard initializers keep their scale).
+    Each module's initializer runs in `model.modules()` order: `init_fn(module)` when
+    given, else the module's own `reset_parameters()`. It runs while the module holds
+    *full* tensors of its own parameters, the same on every rank; each rank keeps its rows
+    and frees them before the next module ([Note: full-shape init] in full_init.py), so at
+    most one initializer's parameters are ever full. So every initializer sees the full
+    shape and keeps its meaning (xavier's fan_out, orthogonal_ over the whole matrix, a
+    std from the full fan-out), and the model is the unsharded model initialized the same
+    way after `torch.manual_seed(seed)`: bit for bit on the CPU, whatever the world size or
+    sharding strategy. An initializer that writes its submodules' parameters (nn.
+    MultiheadAttention's) is run again with those full too; one that writes them through
+    `.data` writes this rank's views.
 
-    `init_fn(module)` is called on every module while it holds its sharded parameters as
-    DTensors, as after FSDP2's `to_empty`: `param.shape` is the full shape, so an init that
-    reasons about full shapes (a fused-QKV weight sliced by the model's dims, a std from
-    the full fan-out) sees the same numbers as on the unsharded model; in-place writes land
-    in this rank's shard; a full tensor it builds goes in with
+    `reset_parameters()` sees plain tensors. `init_fn` sees DTensors replicated on the
+    parameter's mesh, as after FSDP2's `to_empty`: `param.shape` is the full shape, nn.init
+    works on them, and a full tensor it builds goes in with
     `param.copy_(distribute_tensor(full, param.device_mesh, param.placements))`.
-    Parameters that are not sharded (ignored ones, one-element ones) are plain tensors.
+    Parameters that are not sharded (ignored ones) are plain tensors.
 
-    Each shard rank draws from its own random stream (seed + shard rank); replicas share
-    it. (DTensor random ops on an accelerator mesh draw through DTensor's own generator,
-    which gives every shard its part of one draw.)
-    Without `seed`, the model's first rank (rank 0 when the model runs on every rank) draws
-    one and every rank of the model uses it (ranks seeded differently, as
-    `torch.manual_seed(base + rank)` does, must still start replicas identical); buffers and
-    ignored parameters take the first rank's values. Both go over the model's ranks only
-    ([Note: model ranks] in model_group.py): ranks outside a subgroup model may do anything
-    meanwhile.
+    Every rank draws from `seed`. Without it, the model's first rank (rank 0 when the
+    model runs on every rank) draws one and every rank of the model uses it (ranks seeded
+    differently, as `torch.manual_seed(base + rank)` does, still start identical);
+    buffers and ignored parameters take the first rank's values. Both go over the model's
+    ranks only ([Note: model ranks] in model_group.py): ranks outside a subgroup model may
+    do anything meanwhile.
     peft LoRA layers re-run their own adapter init after the pass ([Note: LoRA init]): B
     starts at zero whatever `init_fn` did to it, so an adapted model starts as its base.
-    Buffers on the meta device must be filled by `reset_parameters()` or `init_fn`; one left
-    unfilled (a non-persistent buffer such as rotary `inv_freq`, which a meta-device
-    constructor could not compute) is refused by name rather than left as garbage.
+    Parameters and buffers on the meta device must be written by an initializer: one left
+    unwritten (nn.MultiheadAttention's `in_proj_weight`, which it initializes in
+    `_reset_parameters`; a non-persistent buffer such as rotary `inv_freq`, which a
+    meta-device constructor could not compute) is refused by name, on every rank, rather
+    than left at zero or garbage.
     """
     check_module("model", model)
     if init_fn is not None and not callable(init_fn):
@@ -61,67 +68,83 @@ def materialize(
     device = units[0].mesh.device
     tp_split = [sp.fqn for sp in sharded_params(model) if sp.tp is not None and sp.tp.tp_sharded]
     if tp_split:
-        # Streams are per shard rank: the TP ranks' different pieces would start identical.
+        # Full tensors are cut by dim 0 only; a TP piece is cut by another dim too.
         raise ValueError(
             f"materialize does not support tensor-parallel parameters ({tp_split[0]}, ...): "
             "build the model on a real device before parallelize_module, or load its "
             "weights with sw.load_full_state_dict / sw.load_checkpoint")
-    for sp in sharded_params(model):
+    fresh_sps = [sp for sp in sharded_params(model) if sp.is_meta]
+    for sp in fresh_sps:
         sp.materialize()
-    fresh: dict[str, tuple[nn.Module, str]] = {}
-    replicated: list[tuple[dict, str]] = []  # (module._buffers or ._parameters, name)
+        fill_sentinel(sp.local)  # padding rows stay zero
+    fresh: dict[str, tuple[dict, str]] = {}  # name -> (module._buffers/_parameters, key)
+    replicated: list[tuple[dict, str]] = []
     for mname, m in model.named_modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
-                m._buffers[name] = _unfilled(b, device)
+                m._buffers[name] = unfilled(b.shape, b.dtype, device)
                 replicated.append((m._buffers, name))
-                fresh[f"{mname}.{name}" if mname else name] = (m, name)
+                fresh[f"{mname}.{name}" if mname else name] = (m._buffers, name)
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:  # ignored parameters: replicated, not sharded
-                m._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                m._parameters[name] = nn.Parameter(unfilled(p.shape, p.dtype, device),
+                                                   p.requires_grad)
                 replicated.append((m._parameters, name))
+                fresh[f"{mname}.{name}" if mname else name] = (m._parameters, name)
     group = ModelGroup.of_units(units)
     if seed is None:
         drawn = torch.tensor([int(torch.randint(0, 2**31 - 1, ()).item())], dtype=torch.int64)
         seed = int(group.broadcast(drawn.to(device), label="materialize seed").item())
-    base = seed
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-        # Seeded by shard rank: shards are independent draws, while replicas of the same
-        # shard (NO_SHARD, HYBRID_SHARD) draw the same values and start as one model.
-        torch.manual_seed(base + units[0].mesh.shard_rank)
+        # One stream for every rank: each full tensor is the same draw everywhere.
+        torch.manual_seed(seed)
         with warnings.catch_warnings():
-            # A rank whose shard of a small parameter is empty initializes zero elements.
+            # A parameter with no rows initializes zero elements.
             warnings.filterwarnings("ignore", message=".*zero-element tensors.*")
             # Not an error: DTensor's random ops on a CPU mesh draw from the (seeded) local
-            # generator, which is exactly the per-shard-rank stream.
+            # generator, which on replicated DTensors is the one stream above.
             warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
-            plain = _plain_shards(model) if init_fn is None else contextlib.nullcontext()
-            with torch.no_grad(), plain:
+            init = FullShapeInit(model, device, as_dtensor=init_fn is not None)
+            with torch.no_grad(), init.views():
                 for m in model.modules():
-                    if init_fn is not None:
-                        init_fn(m)
-                    elif hasattr(m, "reset_parameters") and callable(m.reset_parameters):
-                        m.reset_parameters()
-                _reset_adapters(model)
-    # Buffers and ignored parameters are replicated, not sharded, but their initializers
-    # drew from each shard rank's own stream: the first rank's values are everyone's.
+                    call = initializer(m, init_fn)
+                    if call is not None:
+                        init.run(m, call)
+                _reset_adapters(model, init.run)
+    # Buffers and ignored parameters are replicated, not sharded: the first rank's values
+    # are everyone's, whatever an initializer did per rank.
     if group.size > 1:
         for coll, name in replicated:
             if coll.get(name) is not None:
                 group.broadcast(coll[name].data, label=f"materialize {name}")
-    unfilled = [k for k, (m, name) in fresh.items()
-                if m._buffers.get(name) is not None and _still_unfilled(m._buffers[name])]
-    if unfilled:
-        raise ValueError(
-            f"buffers {unfilled} were on the meta device and no initializer filled them "
-            "(materialize cannot know their values). Fill them in the module's "
-            "reset_parameters() or in init_fn (e.g. recompute rotary inv_freq there), or "
-            "create them outside the meta device")
+    _refuse_unwritten(fresh, fresh_sps, group, device)
     return model
 
 
-def _reset_adapters(model: nn.Module) -> None:
+def _refuse_unwritten(fresh: dict[str, tuple[dict, str]], fresh_sps: list[ShardedParam],
+                      group: ModelGroup, device: torch.device) -> None:
+    """Refuse, by name and on every rank, what was on meta and still holds the sentinel."""
+    # A shard's rows are one rank's view: a parameter is unwritten where no rank with rows
+    # saw a value (one MAX over the model's ranks; ranks with no rows see nothing).
+    flags = torch.tensor([int(still_unfilled(sp.local)) for sp in fresh_sps] or [0],
+                         dtype=torch.int32, device=device)
+    if fresh_sps and group.size > 1:
+        group.max_(flags, label="materialize unwritten")
+    names = [sp.fqn for sp, f in zip(fresh_sps, flags.tolist()) if f]
+    names += [k for k, (coll, key) in fresh.items()
+              if coll.get(key) is not None and still_unfilled(coll[key])]
+    if names:
+        raise ValueError(
+            f"{names} were on the meta device and no initializer wrote them (materialize "
+            "cannot know their values; they would have started as NaN or zero). Write them "
+            "in the module's reset_parameters() or in init_fn (nn.MultiheadAttention "
+            "initializes in _reset_parameters: call it from init_fn; recompute rotary "
+            "inv_freq there), load them (sw.load_full_state_dict, sw.load_pretrained), or "
+            "create them outside the meta device")
+
+
+def _reset_adapters(model: nn.Module,
+                    run: Callable[[nn.Module, Callable[[], object]], None]) -> None:
     """[Note: LoRA init] peft's LoRA layers initialize their own children (A random, B zero,
     so the adapted model starts as the base model). The pass above reached those children as
     plain `nn.Linear`s (a model's `_init_weights` or `reset_parameters` draws B non-zero), so
@@ -141,43 +164,5 @@ def _reset_adapters(model: nn.Module) -> None:
                     f"materialize cannot recreate init_lora_weights={init!r} (adapter "
                     f"{name!r}): it needs the base weights. Materialize or load the base "
                     "model first, then add the adapter (or use init_lora_weights=True)")
-            reset(name, init)
-
-
-@contextlib.contextmanager
-def _plain_shards(model: nn.Module) -> Iterator[None]:
-    """Modules hold plain views of their local rows while initializers run.
-
-    On the DTensor parameters, an initializer would draw through DTensor's own random
-    stream (offsets over the global tensor) instead of each shard rank's seeded stream
-    above; the plain views share storage, so what the initializers write is the shard.
-    """
-    sps = sharded_params(model)
-    for sp in sps:
-        view = nn.Parameter(sp.local, requires_grad=sp.requires_grad)
-        for ref in sp.refs:
-            ref.module._parameters[ref.name] = view
-    try:
-        yield
-    finally:
-        for sp in sps:
-            for ref in sp.refs:
-                ref.module._parameters[ref.name] = sp.sharded
-
-
-def _unfilled(b: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A real buffer holding a sentinel that initializers overwrite."""
-    t = torch.empty(b.shape, dtype=b.dtype, device=device)
-    if t.is_floating_point() or t.is_complex():
-        return t.fill_(float("nan"))
-    if t.dtype == torch.bool:
-        return t.fill_(False)
-    return t.fill_(torch.iinfo(t.dtype).min)
-
-
-def _still_unfilled(b: torch.Tensor) -> bool:
-    if b.numel() == 0 or b.dtype == torch.bool:
-        return False  # nothing to fill, or no value left to mark "unfilled"
-    if b.is_floating_point() or b.is_complex():
-        return bool(torch.isnan(b).all())
-    return bool((b == torch.iinfo(b.dtype).min).all())
+            # At full shape, like every initializer: the adapters are the layer's children.
+            run(m, functools.partial(reset, name, init))
