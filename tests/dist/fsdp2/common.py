@@ -244,12 +244,8 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
     patched: list[tuple[Any, str, Any]] = [
         (T.Transport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
         (T.AllToAllTransport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
-        (T.PairTransport, "all_gather", lambda self, out, send, n, *a, **k: send[:n]),
         (T.Transport, "reduce_scatter", lambda self, out, full, *a, **k: out),
         (T.AllToAllTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
-        (T.PairTransport, "reduce_scatter", lambda self, out, full, *a, **k: out),
-        # In parts ([Note: parameter messages]): (sends, recvs, op, label, output, ...).
-        (T.PairTransport, "exchange_parts", None),
         (C, "all_reduce", lambda t, *a, **k: t),
         (C, "broadcast", lambda t, *a, **k: t),
     ]
@@ -257,12 +253,6 @@ def record_collectives() -> Iterator[list[tuple[str, str, int, torch.dtype]]]:
 
     def wrap(orig: Callable[..., Any], op: str, tensor_of: Callable[..., torch.Tensor]):
         def call(*args: Any, **kwargs: Any) -> Any:
-            if tensor_of is None:  # exchange_parts: the op and label are arguments
-                _, sends, _, what, label, output = args[:6]
-                numel = (sum(t.numel() for t in sends) if what == "all_gather"
-                         else output.numel())
-                log.append((what, label, numel, sends[0].dtype if sends else output.dtype))
-                return orig(*args, **kwargs)
             t = tensor_of(*args, **kwargs)
             log.append((op, kwargs.get("label", ""), t.numel(), t.dtype))
             return orig(*args, **kwargs)
