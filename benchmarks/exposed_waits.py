@@ -6,11 +6,10 @@ Arguments: preset, steps (the first is a warm-up), sequences per rank. Two gloo 
 the benchmark's shardwise FULL_SHARD system (shardwise.bench.systems) with an event sink on
 the model (engine/events.py: each collective's `wait` is the time the calling thread was
 blocked in it); prints each rank's median step and its exposed waits per step, by
-collective. At two ranks a reduction's local sum runs inside its wait
-([Note: parameter messages]), so the reduce-scatter figure includes that sum. "release" is
-the time the training thread then waited, before freeing or reusing what it had sent, for
-the peer to have read it ([Note: one-copy release] in engine/comm/one_copy.py): counted by
-timing the engine's `Work.wait_sent`, as no event carries it.
+collective. On gloo a reduction's local sum (all-to-all, then a sum) runs inside its wait,
+so the reduce-scatter figure includes that sum. "release" is the time builds before issue
+35 waited, before freeing what they had sent, for the peer to have read it (the one-copy
+exchange, since removed): counted by timing `Work.wait_sent` where it exists.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def _worker(rank: int, world: int, preset: str, steps: int,
     ctx.sinks.append(events.append)
     released = [0.0]
     wait_sent = getattr(Work, "wait_sent", None)
-    if wait_sent is not None:  # builds before the one-copy release have none
+    if wait_sent is not None:  # only builds that had the one-copy exchange (before issue 35)
         def timed(self: Work) -> None:
             t = time.perf_counter()
             wait_sent(self)

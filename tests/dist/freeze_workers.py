@@ -44,6 +44,7 @@ def freeze_on_one_rank(rank: int, world: int) -> dict[str, dict[str, object]]:
     every rank ends with the same parameters.
     """
     out: dict[str, dict[str, object]] = {}
+    sw.set_debug(True)  # the check is a collective per step: debug mode only
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         model = make_model("lm", 0)
         sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer")
@@ -68,6 +69,7 @@ def freeze_on_one_rank(rank: int, world: int) -> dict[str, dict[str, object]]:
         _step(model, opt, rank, world, 4)
         sums = C.all_gather_floats([_checksum(model)])
         out[strategy] = {"message": message, "same": len({s[0] for s in sums}) == 1}
+    sw.set_debug(False)
     return out
 
 
@@ -111,27 +113,29 @@ def freeze_alike_parity(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
-def checks_issued(rank: int, world: int) -> dict[str, object]:
-    """How many checks a training step and an eval forward issue (one: the step's)."""
-    from shardwise.engine.core.inspect import context_of
+def checks_issued(rank: int, world: int, debug: bool) -> list[object]:
+    """The freeze checks a training step and an eval forward issue: none on the default
+    path, one per training step under debug mode (none alone: nothing could differ)."""
+    from shardwise.engine.core import freeze_check
 
     model = make_model("lm", 0)
     sw.shard_model(model, auto_wrap_policy="transformer")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    issued = []
-    real = C.same_on_all_async
+    issued: list[object] = []
+    real = freeze_check.C.max_over
 
-    def counting(*args: object, **kwargs: object) -> C.Agreement:
+    def counting(*args: object, **kwargs: object) -> list[int]:
         issued.append(kwargs.get("label"))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    C.same_on_all_async = counting  # type: ignore[assignment]
+    sw.set_debug(debug)
+    freeze_check.C.max_over = counting  # type: ignore[assignment]
     try:
         _step(model, opt, rank, world, 0)
         with torch.no_grad():
             model(make_batch("lm", 1, PER_RANK)[0])
+        _step(model, opt, rank, world, 1)
     finally:
-        C.same_on_all_async = real  # type: ignore[assignment]
-    ctx = context_of(model)
-    assert ctx is not None
-    return {"enabled": ctx.freeze_check.enabled, "issued": issued}
+        freeze_check.C.max_over = real  # type: ignore[assignment]
+        sw.set_debug(False)
+    return issued

@@ -6,7 +6,7 @@
   our GPT and a Hugging Face Llama planned from its config): equal;
 - peak RSS growth over a few steps vs the planned total: within 15%;
 - bytes the engine copies locally per step (`Unit.copied`) vs the time model's rule
-  (planner/copies.py): equal, by where, at 2 ranks (pair transport) and 3 (all-to-all).
+  (planner/copies.py): equal, by where, at 2 and 3 ranks (all-to-all on gloo).
 
 Step time vs the plan is a measurement, not a test (machines are noisy):
 benchmarks/plan_vs_measured.py prints that ratio.

@@ -85,7 +85,7 @@ def test_model_on_a_subgroup_trains_while_other_ranks_do_something_else(hybrid: 
                           collective_timeout_s=30)
     groups = [[0, 2], [0, 1]] if hybrid else [[0, 1]]  # rank 0's: the mesh's dims in turn
     for got in res[0].values():
-        assert got["groups"] == groups and got["freeze_check"], got
+        assert got["groups"] == groups, got
     for r in res[:n]:
         for strategy, got in r.items():
             assert got["loss"] <= 1e-5 and got["params"] <= 1e-5, (strategy, got)
@@ -93,14 +93,13 @@ def test_model_on_a_subgroup_trains_while_other_ranks_do_something_else(hybrid: 
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_unit_output_needs_grad_on_some_ranks_only(frozen: bool) -> None:
+def test_unit_output_needs_grad_on_some_ranks_only_is_named_in_debug_mode(frozen: bool) -> None:
     """Units a1, a2 whose parameters only one rank's data uses (and, `frozen`, a frozen unit
-    behind them): the other rank's outputs carry no pre-backward hook for them. It used to
-    record no pre-backward point there, so the ranks' backward collectives differed
-    (SHARDWISE_DEBUG's fingerprints raised CollectiveMismatchError naming the unit); the
-    ranks now agree which units any of them hooked ([Note: hooked agreement] in
-    engine/schedule_lockstep.py). gloo's own transport keeps the one-copy exchange out of
-    it; tests/dist/test_hooked_agreement.py covers it too."""
-    run_distributed(GW.output_grad_on_some_ranks, 2, frozen, timeout_s=60,
-                    collective_timeout_s=10,
-                    env={"SHARDWISE_DEBUG": "1"})
+    behind them): the other rank's outputs carry no pre-backward hook for them, so the ranks'
+    backward collectives differ. The per-step agreement that used to follow this went with
+    issue 35 (FSDP2 does not follow it either, docs/moe.md); SHARDWISE_DEBUG's fingerprints
+    name the collective where the ranks part, on every rank, instead of a hang."""
+    res = run_distributed(GW.output_grad_on_some_ranks, 2, frozen, timeout_s=60,
+                          collective_timeout_s=10, env={"SHARDWISE_DEBUG": "1"})
+    for got in res:
+        assert got.startswith("CollectiveMismatchError"), res

@@ -29,7 +29,7 @@ def test_no_shard_unit_called_twice_with_rank_dependent_use() -> None:
 @pytest.mark.parametrize("dtypes", [(None, torch.bfloat16), (torch.bfloat16, torch.float32)],
                          ids=["fp32-reduce-bf16", "bf16-reduce-fp32"])
 def test_no_sync_mixed_precision_rank_dependent_use_two_ranks(dtypes: tuple) -> None:
-    """2 ranks (pair transport), no_sync then a synced micro-batch, b used on a different
+    """2 ranks (the pair transport then), no_sync then a synced micro-batch, b used on a different
     rank in each: every row of a.grad must be 3.0 and of b.grad 1.5 (they were 2/4 and
     1/2: rank 0 reduced in parts, rank 1 packed, and the messages did not match)."""
     for r in run_distributed(W.mixed_path_no_sync, 2, *dtypes):

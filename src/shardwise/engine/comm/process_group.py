@@ -27,8 +27,22 @@ exactly when gloo's last reference to it goes. At exit (an `atexit` handler regi
 shardwise first communicates, unless SHARDWISE_EXIT_DRAIN=0; or `finish()`), after a
 barrier with the peers and
 destroy_process_group, the process waits, with the GIL released, until every alias is dead.
-No worker thread then holds anything that needs the GIL, whenever finalization starts.
-Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
+
+Collectives that do not go through shardwise have no alias: DTensor's own (`full_tensor()`,
+redistribute, a TP plan's), a user's `dist.all_reduce`. A script whose last collectives are
+those aborted in 1 of 100 launches at 2 ranks (meta init, `materialize`, `full_tensor()` of
+every parameter; 4 of 34 in issue 35), and every time when the worker is slow to let go
+(tests/e2e/exit_slow_release.py). Their drops are seen from the other side: a worker that
+has dropped everything is back in its queue's condition-variable wait. So the drain then
+also waits until every gloo worker thread of the process (c10d names them
+"pt_gloo_runloop") is parked in a futex wait, read from /proc/self/task, three samples in a
+row a switch interval apart (`wait_for_gloo_workers`); running, runnable or in any other call
+(a Python callback's sleep, a free's munmap) counts as busy. This covers every process group,
+DeviceMesh's subgroups included, which the barrier on the default group does not wait for.
+A worker waiting for the GIL is in a futex wait too, but this thread sleeps with the GIL
+released between samples, so it gets the GIL there. Without /proc (not Linux) only the
+aliases are watched. No worker thread then holds anything that needs the GIL, whenever
+finalization starts. Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
 
 The barrier is skipped when this process is ending with a non-zero status: an uncaught
 exception, a collective that failed here, or a status declared with `ending_with(code)` (the

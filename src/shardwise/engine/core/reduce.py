@@ -62,7 +62,7 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     """
     mesh, S = unit.mesh, unit.mesh.shard_size
     # Reduced even when this rank has no gradient at all: another rank may have one, and
-    # the schedule calls this at the same point on every rank ([Note: lockstep]).
+    # the schedule calls this at the same point on every rank ([Note: structure decides]).
     grads = [p.local_grad() for p in g.grad_params]
     if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
         return None  # one rank, no casts: the gradients already are the result

@@ -132,9 +132,9 @@ class Unit:
         """Whether a gradient waits for a reduction (a pure question: nothing moves).
 
         Under no_sync, decided alike on every rank: a backward ran for this unit (at the
-        same point everywhere, [Note: lockstep]) that kept its gradients. Whether this rank
-        holds any is its data's business: a unit that the last micro-batch did not call, but
-        an earlier one used on some ranks only, must still reduce on all of them.
+        same point everywhere, [Note: structure decides]) that kept its gradients. Whether
+        this rank holds any is its data's business (a parameter the micro-batches used on
+        some ranks only): the unit still reduces on all of them.
         """
         return self.unsynced or any(p.has_local_grad() for g in self.buckets
                                     for p in g.grad_params)
