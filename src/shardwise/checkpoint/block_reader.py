@@ -13,10 +13,12 @@ of at most `buffer_bytes`:
 Nothing is memory-mapped, so nothing of the files counts in this process's resident
 memory: a rank's peak is its shards plus the staging buffer, whatever the number and size
 of the files. The first version copied from safetensors' memory maps and unmapped a file
-after 64 MiB had been read through it; a model saved in many smaller files (HF's default
-5 GB shards of a large model read by many ranks, or 10 files of 40 MB) then kept every
-file's touched pages mapped to the end: 1.2x the whole model on rank 0 of 2. Measured
-against a global unmap budget in benchmarks/load_pretrained_memory.py (RESULTS.md).
+after 64 MiB had been read through it; a model saved in many smaller files (HF's 5 GB
+shards of a large model read by many ranks, or 10 files of 40 MB) then kept every file's
+touched pages mapped to the end. A 416 MB Llama in 10 files at 2 ranks
+(benchmarks/load_pretrained_memory.py, RESULTS.md): peak growth per rank 418-430 MiB
+before (199 MiB of shards + the file pages, 1.05-1.08x the model), 273 MiB with one unmap
+budget over all files, 205 MiB with pread (shards + 7 MiB), in the same time.
 
 Column slices are read one contiguous run per row (exactly the block's bytes, no more).
 Each chunk is also counted for NaN/inf in the dtype it was loaded as (finite.py's one-read
