@@ -181,3 +181,131 @@ def clip_with_ignored(rank: int, world: int, norm_type: float, reduced: bool) ->
         expect = held[rank][name] * coef
         assert torch.allclose(g, expect, rtol=1e-5, atol=1e-9), (
             f"rank {rank} {name}: clipped {g.flatten()[:4]} vs {expect.flatten()[:4]}")
+
+
+# --- materialize ----------------------------------------------------------------------------
+
+class Fan(nn.Module):
+    """Initializers that depend on the whole tensor: xavier's fan_out is dim 0 (the sharded
+    one), orthogonal_ makes the full matrix orthogonal. Row counts do not divide 2 or 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.xav = nn.Parameter(torch.empty(7, 5))
+        self.orth = nn.Parameter(torch.empty(9, 4))
+        self.lin = nn.Linear(5, 2)  # 2 rows: an empty shard at 3 ranks
+        self.norm = nn.LayerNorm(5)
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.xav)
+        nn.init.orthogonal_(self.orth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + self.lin(x).sum(-1, keepdim=True) + (x @ self.xav.T).mean()
+
+
+class Attn(nn.Module):
+    """nn.MultiheadAttention initializes in `_reset_parameters` (materialize calls only
+    `reset_parameters`); this wrapper's own reset writes its child's and grandchild's
+    parameters (in_proj_weight, out_proj.bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(6, 2)
+
+    def reset_parameters(self) -> None:
+        self.mha._reset_parameters()
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Fan(), Fan()])
+        self.attn = Attn()
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _init_all(m: nn.Module) -> None:
+    """An init_fn: MultiheadAttention's own init, everyone else's reset_parameters."""
+    if isinstance(m, nn.MultiheadAttention):
+        m._reset_parameters()
+    elif isinstance(m, (nn.Linear, nn.LayerNorm, Fan)):
+        m.reset_parameters()
+
+
+def _unsharded(seed: int, init_fn: Any) -> dict[str, torch.Tensor]:
+    """The same model initialized unsharded: to_empty, seed, each module's init in
+    `model.modules()` order."""
+    with torch.device("meta"):
+        ref = Model()
+    ref.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for m in ref.modules():
+            if init_fn is not None:
+                init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def materialize_matches_unsharded(rank: int, world: int, strategy: str,
+                                  with_init_fn: bool) -> None:
+    init_fn = _init_all if with_init_fn else None
+    torch.manual_seed(100 + rank)  # materialize(seed=) must not depend on the ranks' streams
+    with torch.device("meta"):
+        model = Model()
+    sw.shard_model(model, sharding_strategy=strategy,
+                   auto_wrap_policy=sw.transformer_policy({Fan, Attn}))
+    sw.materialize(model, init_fn, seed=7)
+    got = sw.full_state_dict(model)
+    want = _unsharded(7, init_fn)
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for k, v in want.items():
+        assert torch.equal(got[k], v), (
+            f"rank {rank}/{world} {strategy} init_fn={with_init_fn}: {k} differs from the "
+            f"unsharded init by {(got[k] - v).abs().max().item():.3g}")
+    w = got["blocks.0.orth"]
+    assert torch.allclose(w.T @ w, torch.eye(4), atol=1e-5), "orthogonal_ on the full matrix"
+    assert got["attn.mha.in_proj_weight"].abs().max() > 0
+    # Trains after: the shards are the optimizer's parameters.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+
+
+def materialize_refuses_unwritten(rank: int, world: int) -> None:
+    """nn.MultiheadAttention alone: no reset_parameters covers in_proj_weight/in_proj_bias,
+    which stayed at zero (its out_proj is a Linear and gets its own)."""
+    with torch.device("meta"):
+        mha = nn.MultiheadAttention(6, 2)
+    sw.shard_model(mha, auto_wrap_policy=None)
+    try:
+        sw.materialize(mha, seed=0)
+    except ValueError as e:
+        msg = str(e)
+        assert "in_proj_weight" in msg and "in_proj_bias" in msg, msg
+        assert "out_proj" not in msg, msg
+    else:
+        raise AssertionError(
+            "materialize left in_proj_weight unwritten without an error: max "
+            f"{mha.in_proj_weight.full_tensor().abs().max().item()}")
+    # An init_fn that covers it: accepted, and the values are the unsharded model's.
+    with torch.device("meta"):
+        mha = nn.MultiheadAttention(6, 2)
+    sw.shard_model(mha, auto_wrap_policy=None)
+    sw.materialize(mha, _init_all, seed=3)
+    with torch.device("meta"):
+        ref = nn.MultiheadAttention(6, 2)
+    ref.to_empty(device="cpu")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for m in ref.modules():
+            _init_all(m)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sw.full_state_dict(mha)[k], v), k

@@ -27,3 +27,22 @@ def test_clip_grad_norm_ignored_params(world: int, norm_type: float, reduced: bo
     rank holds, the unsharded model's when they agree, and clips with that one coefficient."""
     run_distributed(W.clip_with_ignored, world, norm_type, reduced, timeout_s=120,
                     collective_timeout_s=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("with_init_fn", [False, True], ids=["reset_parameters", "init_fn"])
+def test_materialize_matches_unsharded_init(world: int, strategy: str,
+                                            with_init_fn: bool) -> None:
+    """Initializers ran on each rank's rows with a per-shard-rank stream: fan-based ones
+    (xavier's fan_out, orthogonal_) had the wrong scale or structure, and no value matched
+    the unsharded model. Now bit-exact against the unsharded init with the same seed."""
+    run_distributed(W.materialize_matches_unsharded, world, strategy, with_init_fn,
+                    timeout_s=120, collective_timeout_s=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_materialize_refuses_unwritten_parameters(world: int) -> None:
+    """nn.MultiheadAttention built on meta: in_proj_weight stayed 0.0 with no warning."""
+    run_distributed(W.materialize_refuses_unwritten, world, timeout_s=120,
+                    collective_timeout_s=30)

@@ -32,7 +32,8 @@ from ..engine.api.fully_shard import reshard_between_steps
 from ..engine.core.checks import check_bool, check_module, check_path
 from ..engine.core.inspect import units_of
 from ..engine.core.sharded_param import ShardedParam
-from ..engine.ext.materialize import _still_unfilled, _unfilled
+from ..engine.ext.full_init import still_unfilled
+from ..engine.ext.full_init import unfilled as sentinel_tensor
 from ..engine.ext.model_group import model_group
 from .block_reader import DEFAULT_BUFFER_BYTES, BlockReader
 from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
@@ -301,13 +302,14 @@ def _compute_buffers(model: nn.Module, meta: list[tuple[str, nn.Module, str]],
     hf = root[1]
     modules = []
     for _, m, name in meta:
-        m._buffers[name] = _unfilled(m._buffers[name], device)
+        b = m._buffers[name]
+        m._buffers[name] = sentinel_tensor(b.shape, b.dtype, device)
         if not any(m is x for x in modules):
             modules.append(m)
     with torch.no_grad():
         for m in modules:
             hf._init_weights(m)  # type: ignore[operator]
-    unfilled = [k for k, m, name in meta if _still_unfilled(m._buffers[name])]
+    unfilled = [k for k, m, name in meta if still_unfilled(m._buffers[name])]
     if unfilled:
         raise RuntimeError(f"buffers {_names(unfilled)} are not stored in the checkpoint and "
                            f"{type(hf).__name__}._init_weights did not compute them")
