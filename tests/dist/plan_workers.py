@@ -327,7 +327,9 @@ def tp_states_case(rank: int, world: int, tp: int, gpt_kw: dict) -> list[dict]:
         loss.backward()
         opt.step()
         held = held_bytes(model, opt)
-        r = plan(what, world_size=world, tensor_parallel=tp, rank=rank).per_rank
+        # Both runs keep the embedding and head whole on every TP rank.
+        r = plan(what, world_size=world, tensor_parallel=tp, rank=rank,
+                 tp_embeddings="replicate").per_rank
         out.append({"case": f"{name} dp{world // tp} x tp{tp}", "rank": rank, "held": held,
                     "planned": {"params": r.params_bytes, "grads": r.grads_bytes,
                                 "optimizer": r.optimizer_bytes}})

@@ -422,7 +422,8 @@ CASES: list[Case] = [
     api("plan(shape)", "{...} with a config", "a config carries its own shape",
         _plan(count="llama3-8b", shape={"n_layers": 1, "d_model": 8, "n_heads": 1,
                                         "vocab_size": 8})),
-    api("plan(tp_embedding)", "'yes'", f"tp_embedding='yes' {P}", _plan(tp_embedding="yes")),
+    api("plan(tp_embeddings)", "'yes'", "tp_embeddings='yes' is not allowed; allowed: split, "
+        "replicate", _plan(tp_embeddings="yes")),
 ]
 
 def markdown(cases: list[Case]) -> str:

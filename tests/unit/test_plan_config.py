@@ -142,9 +142,9 @@ def test_hand_count_moe_memory_all_experts_flops_active_ones() -> None:
 def test_meta_llama_70b_plans_as_its_config() -> None:
     """The same numbers from the meta-built model and from the config, at tp 1 and 8."""
     model = meta_model(REAL["llama3-70b"])
-    for tp, emb in ((1, False), (8, False), (8, True)):
+    for tp, emb in ((1, "split"), (8, "replicate"), (8, "split")):
         kw = dict(world_size=64, mixed_precision="bf16", tensor_parallel=tp,
-                  tp_embedding=emb)
+                  tp_embeddings=emb)
         a, b = sw.plan(model, **kw).per_rank, sw.plan("llama3-70b", **kw).per_rank
         assert (a.params_bytes, a.grads_bytes, a.optimizer_bytes) == (
             b.params_bytes, b.grads_bytes, b.optimizer_bytes), (tp, emb)
@@ -165,7 +165,7 @@ def test_tp_model_states_are_bytes_x_params_per_tp_rank_over_dp(split_tables: bo
     for tp in (1, 2, 8):
         dp = 64 // tp
         p = sw.plan("llama3-70b", world_size=64, mixed_precision="bf16", tensor_parallel=tp,
-                    tp_embedding=split_tables)
+                    tp_embeddings="split" if split_tables else "replicate")
         r = p.per_rank
         tensors = 2 + 9 * s.n_layers + (0 if s.tied else 1)  # Adam's step counters
         per_rank = _per_tp_rank(s, tp, split_tables and tp > 1) / dp  # every size divides
@@ -181,13 +181,13 @@ def test_the_reported_tp_bug() -> None:
     kw = dict(world_size=64, device="h100-80gb", interconnect="ib-400g",
               mixed_precision="bf16", batch_size=1, seq_len=4096, shape=shape)
     one = sw.plan(70e9, **kw).per_rank.model_states_bytes
-    eight = sw.plan(70e9, tensor_parallel=8, **kw).per_rank
+    eight = sw.plan(70e9, tensor_parallel=8, tp_embeddings="replicate", **kw).per_rank
     s = TransformerShape(**shape)
     extra = int(70e9) - s.params()
     per_rank = _per_tp_rank(s, 8, False, extra) / 8
     assert eight.params_bytes == pytest.approx(4 * per_rank, abs=4 * 80)
     assert eight.model_states_bytes < 1.15 * one  # the whole embedding on every TP rank
-    split = sw.plan(70e9, tensor_parallel=8, tp_embedding=True, **kw).per_rank
+    split = sw.plan(70e9, tensor_parallel=8, **kw).per_rank  # the default: split
     assert split.model_states_bytes == pytest.approx(16 * 70e9 / 64, rel=2e-3)
     assert one == pytest.approx(16 * 70e9 / 64, rel=1e-6)
 
@@ -222,10 +222,11 @@ def test_suggestions_fit_cheapest_first() -> None:
 
 def test_unused_options_say_so() -> None:
     p = sw.plan("llama3-8b", world_size=8, device="h100-80gb", interconnect="ib-400g",
-                sequence_parallel=True, tp_embedding=True)
+                sequence_parallel=True, tp_embeddings="replicate")
     notes = "\n".join(p.notes)
     assert "interconnect='ib-400g' is unused: all 8 ranks fit in one node" in notes
-    assert "sequence_parallel is unused" in notes and "tp_embedding is unused" in notes
+    assert "sequence_parallel is unused" in notes
+    assert "tp_embeddings='replicate' is unused" in notes
     cpu = sw.plan(1e6, world_size=2, device="cpu", cpu_offload=True)
     assert any("cpu_offload is unused" in n for n in cpu.notes)
     assert not any("unused" in n for n in sw.plan("llama3-8b", world_size=16,

@@ -49,9 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="with --tp: split the residual stream by sequence across the TP "
                          "group (reduce-scatter + all-gather instead of all-reduce)")
-    ap.add_argument("--tp-embedding", action="store_true",
-                    help="with --tp: split the embedding and output head across the TP group "
-                         "too (torchtitan's plan, loss parallel); default: whole on every rank")
+    ap.add_argument("--tp-embeddings", default="split", choices=("split", "replicate"),
+                    help="with --tp: the embedding and output head split across the TP group "
+                         "by vocabulary rows (split, the default: torchtitan's plan, loss "
+                         "parallel) or whole on every TP rank (replicate: as shardwise train "
+                         "--parallel.tp runs its GPT)")
     ap.add_argument("--batch-size", type=int, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int,
                     help="tokens per sequence (default: the model's context length, with batch "
@@ -133,7 +135,7 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
                           device=device, interconnect=interconnect, shape=shape,
                           ranks_per_node=args.ranks_per_node, tensor_parallel=args.tp,
                           sequence_parallel=args.sequence_parallel,
-                          tp_embedding=args.tp_embedding)
+                          tp_embeddings=args.tp_embeddings)
         except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
             if s == args.strategy:
                 raise

@@ -75,7 +75,7 @@ def plan(
     rank: int = 0,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
-    tp_embedding: bool = False,
+    tp_embeddings: str = "split",
 ) -> Plan:
     """Plan one training step of `model_or_param_count` on `world_size` ranks.
 
@@ -94,9 +94,9 @@ def plan(
       ranks; planner/tp.py). TP groups are placed inside a node when t <= ranks_per_node.
     sequence_parallel: with TP, the residual stream (norms, block inputs) split by sequence
       across the TP group; all-gather + reduce-scatter replace each all-reduce.
-    tp_embedding: with TP, the embedding and output head split across the TP group too
-      (torchtitan's plan, loss parallel); default: whole on every TP rank, as
-      `shardwise train --parallel.tp` runs it.
+    tp_embeddings: with TP, what the embedding and output head do: "split" across the TP
+      group by vocabulary rows (the default: torchtitan's plan, loss parallel) or
+      "replicate" (whole on every TP rank, as `shardwise train --parallel.tp` runs its GPT).
 
     A model with a context length (a GPT preset, a Hugging Face config) is planned for
     batch 1 at that length unless told otherwise (a note says so); without a sequence
@@ -111,7 +111,7 @@ def plan(
                 seq_len=seq_len, activation_checkpointing=activation_checkpointing,
                 device=device, interconnect=interconnect, shape=shape,
                 ranks_per_node=ranks_per_node, rank=rank, tensor_parallel=tensor_parallel,
-                sequence_parallel=sequence_parallel, tp_embedding=tp_embedding)
+                sequence_parallel=sequence_parallel, tp_embeddings=tp_embeddings)
     what = model_or_param_count
     if not isinstance(what, (nn.Module, int, float)):  # read a config once, not per plan
         what = resolve_model(what, shape)
@@ -129,7 +129,7 @@ def plan(
 
 
 def _unused(interconnect: object, dev: DeviceProfile | None, world: int, per_node: int,
-            offload: bool, tp: int, sp: bool, tp_embedding: bool) -> list[str]:
+            offload: bool, tp: int, sp: bool, tp_embeddings: str) -> list[str]:
     """One line for each option this configuration does not use (none is silently
     ignored)."""
     out = []
@@ -143,7 +143,8 @@ def _unused(interconnect: object, dev: DeviceProfile | None, world: int, per_nod
     elif offload and dev is None:
         out.append("cpu_offload without a device: model states counted as host memory, as "
                    "from a GPU; pass device= to check what the device holds")
-    for name, on in (("sequence_parallel", sp), ("tp_embedding", tp_embedding)):
+    for name, on in (("sequence_parallel", sp),
+                     ("tp_embeddings='replicate'", tp_embeddings == "replicate")):
         if on and tp == 1:
             out.append(f"{name} is unused: it needs tensor_parallel > 1")
     return out
@@ -169,12 +170,12 @@ def plan_one(
     rank: int,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
-    tp_embedding: bool = False,
+    tp_embeddings: str = "split",
     search_batch: bool = True,
 ) -> Plan:
     """One plan, without alternatives (`search_batch`: bisect the largest batch)."""
     check_int("world_size", world_size, minimum=1)
-    check_bool("tp_embedding", tp_embedding)
+    TP.check_tp_embeddings(tp_embeddings)
     check_bool("sequence_parallel", sequence_parallel)
     tp = tensor_parallel
     TP.check_tp(tp, world_size, None)
@@ -198,7 +199,7 @@ def plan_one(
     full_world, total_params = world_size, mu.numel
     if tp > 1:
         TP.check_tp(tp, world_size, mu.shape)
-        mu = TP.split_units(mu, tp, sequence_parallel, tp_embedding)
+        mu = TP.split_units(mu, tp, sequence_parallel, tp_embeddings)
         world_size, rank = world_size // tp, rank // tp
 
     # A CPU "device" is this host: every rank on it, unless told otherwise.
@@ -231,7 +232,7 @@ def plan_one(
         notes.append("CPU offload: parameters, gradients and optimizer state live in host "
                      "memory (host_bytes); the device holds gathered units and activations")
     notes += _unused(interconnect, dev, full_world, phys_per_node, offload, tp,
-                     sequence_parallel, tp_embedding)
+                     sequence_parallel, tp_embeddings)
 
     def peaks_for(batch: int | None) -> tuple[PhasePeaks, StepActivations | None]:
         tokens = batch * seq_len if (batch and seq_len) else None
@@ -323,5 +324,6 @@ def plan_one(
         comm=comm, time=time, usable_bytes=usable, fits=fits,
         max_batch_size=max_batch, notes=tuple(notes), verdict=verdict,
         tensor_parallel=tp, tp_comm=tpc, sequence_parallel=sequence_parallel and tp > 1,
+        tp_embeddings=tp_embeddings if tp > 1 else None,
     )
 

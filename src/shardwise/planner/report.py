@@ -64,6 +64,12 @@ def table(p: Plan) -> list[str]:
     ]
     out = [f"{p.sharding_strategy} per rank (rank 0 holds the most; shard {p.shard_size} x "
            f"replicate {p.replicate_size}):"]
+    if p.tensor_parallel > 1 and p.tp_embeddings is not None:
+        from .tp import describe_tables
+
+        dp = p.shard_size * p.replicate_size
+        tables = describe_tables(p.tp_embeddings, p.tensor_parallel)
+        out.append(f"  tensor parallel {p.tensor_parallel} x FSDP {dp}: {tables}")
     out += [f"  {name:<40} {size(v) if v is not None else 'unknown':>11}" for name, v in rows]
     out.append(f"  {'peak forward / backward / step':<40} "
                f"{size(r.peak_forward_bytes)} / {size(r.peak_backward_bytes)} / "

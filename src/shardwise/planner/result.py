@@ -78,6 +78,9 @@ class Plan:
     tensor_parallel: int = 1
     tp_comm: TP.TPComm | None = None
     sequence_parallel: bool = False
+    # With TP: "split" (the embedding and output head split by vocabulary rows, torchtitan's
+    # plan) or "replicate" (whole on every TP rank); None without TP.
+    tp_embeddings: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain ints, floats, strings, lists and dicts."""

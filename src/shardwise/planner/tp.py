@@ -1,11 +1,15 @@
 """Planning FSDP x tensor parallelism: one TP rank is an FSDP rank of a thinner model.
 
 With tensor-parallel degree t on W ranks, FSDP shards over dp = W / t ranks, and each rank
-holds 1/t of every block matrix (Megatron's plan, as `shardwise train --parallel.tp` runs
-it: attention's heads and the MLP's hidden units split, the embedding, head and norms
-whole). So a TP plan is the FSDP plan of dp ranks whose block units hold 1/t of their
-matrices, plus the TP activations' all-reduces, which FSDP's prefetching cannot hide: each
-sits between two matmuls of the same layer.
+holds 1/t of every block matrix (Megatron's plan: attention's heads and the MLP's hidden
+units split, norms whole). The embedding and the output head are a stated choice,
+`tp_embeddings`: "split" by vocabulary rows across the TP group (torchtitan's Llama plan:
+RowwiseParallel embedding, ColwiseParallel head, a loss-parallel cross-entropy; the
+default), or "replicate", whole on every TP rank (as `shardwise train --parallel.tp` runs
+its GPT). For Llama 3 70B on 64 ranks in bf16 that is 16.4 against 19.85 GiB of model
+states per rank at tp 8. So a TP plan is the FSDP plan of dp ranks whose block units hold
+1/t of their matrices, plus the TP activations' all-reduces, which FSDP's prefetching
+cannot hide: each sits between two matmuls of the same layer.
 
 Per layer and step (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", table 2 without sequence parallelism):
@@ -108,20 +112,31 @@ ROWWISE = {"o_proj", "down_proj", "w_out", "w2", "c_proj", "dense", "dense_4h_to
 TRANSPOSED = {"c_attn", "c_fc", "c_proj"}  # GPT-2's Conv1D: (in, out)
 
 
+TP_EMBEDDINGS = ("split", "replicate")
+
+
+def check_tp_embeddings(value: object) -> str:
+    """`value` if it is one of TP_EMBEDDINGS; ValueError naming it and them otherwise."""
+    if not isinstance(value, str) or value not in TP_EMBEDDINGS:
+        raise ValueError(f"tp_embeddings={value!r} is not allowed; allowed: "
+                         f"{', '.join(TP_EMBEDDINGS)}")
+    return value
+
+
 def tp_dim(name: str, shape: tuple[int, ...], root: bool, vocab: int | None,
-           tp_embedding: bool) -> int | None:
+           split_tables: bool) -> int | None:
     """The dim TP splits this parameter along (None: whole on every TP rank).
 
     Blocks: colwise projections by their output rows, rowwise by their input columns,
     norms and the router whole; any other matrix (a model we cannot name) is split too.
     The root: the embedding and the output head (the tables with `vocab` rows) only when
-    the plan splits them (`tp_embedding`: torchtitan's plan, with a loss-parallel
-    cross-entropy); the position table and the final norm always whole.
+    the plan splits them (`split_tables`: tp_embeddings="split", torchtitan's plan, with a
+    loss-parallel cross-entropy); the position table and the final norm always whole.
     """
     if not shape:
         return None
     if root:
-        return 0 if tp_embedding and len(shape) == 2 and shape[0] == vocab else None
+        return 0 if split_tables and len(shape) == 2 and shape[0] == vocab else None
     parts = name.split(".")
     layer = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
     is_bias = parts[-1] == "bias" or layer.endswith("_bias")
@@ -144,25 +159,33 @@ def _split(p: ParamSpec, dim: int | None, tp: int) -> ParamSpec:
 
 
 def split_units(mu: ModelUnits, tp: int, sequence_parallel: bool = False,
-                tp_embedding: bool = False) -> ModelUnits:
+                tp_embeddings: str = "split") -> ModelUnits:
     """Each block unit's matrices divided by `tp` (planner/tp.py's `tp_dim`); the root's
-    embedding and head too with `tp_embedding`."""
+    embedding and head too with tp_embeddings="split"."""
+    split = check_tp_embeddings(tp_embeddings) == "split"
     vocab = mu.shape.vocab_size if mu.shape is not None else None
     units = tuple(
         PlanUnit(UnitSpec(u.spec.name, tuple(
-            _split(p, tp_dim(p.fqn, p.shape, u.head, vocab, tp_embedding), tp)
+            _split(p, tp_dim(p.fqn, p.shape, u.head, vocab, split), tp)
             for p in u.spec.params)), u.layers, u.head)
         for u in mu.units)
     shape = (TPRankShape(**mu.shape.to_dict(), tp=tp, sp=int(sequence_parallel),
-                         tp_head=int(tp_embedding))
+                         tp_head=int(split))
              if mu.shape is not None else None)
-    where = "embedding and head split too (loss parallel)" if tp_embedding else \
-        "embedding, head and norms whole on every TP rank"
-    note = (f"tensor parallel {tp}: block matrices split {tp} ways (Megatron plan), {where}; "
-            "FSDP shards over the rest"
+    note = (f"tensor parallel {tp}: block matrices split {tp} ways (Megatron plan), "
+            f"{describe_tables(tp_embeddings, tp)}, norms whole; FSDP shards over the rest"
             + ("; sequence parallel: the residual stream split by sequence" if sequence_parallel
                else ""))
     return replace(mu, units=units, shape=shape, notes=(*mu.notes, note))
+
+
+def describe_tables(tp_embeddings: str, tp: int) -> str:
+    """What the plan does with the embedding and the output head, in words."""
+    if tp_embeddings == "split":
+        return (f"embedding and output head split {tp} ways by vocabulary rows "
+                "(tp_embeddings=split: torchtitan's plan, loss parallel)")
+    return ("embedding and output head whole on every TP rank (tp_embeddings=replicate: "
+            "as shardwise train --parallel.tp runs its GPT)")
 
 
 @dataclass(frozen=True)
