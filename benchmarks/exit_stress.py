@@ -4,6 +4,8 @@
     python benchmarks/exit_stress.py --runs 100 --nproc 3
     python benchmarks/exit_stress.py --runs 40 --nproc 2 --src /path/to/old/checkout/src
     python benchmarks/exit_stress.py --runs 100 --nproc 4 --tp 2      # dp 2 x tp 2
+    python benchmarks/exit_stress.py --runs 100 --nproc 2 --script meta
+    python benchmarks/exit_stress.py --runs 100 --nproc 2 --script allreduce
 
 Each launch is `torchrun --standalone --nproc-per-node N benchmarks/exit_user_script.py`:
 shard, 3 steps, one save_checkpoint, one full_state_dict, then the script simply ends
@@ -12,6 +14,9 @@ counted and its signal named (-6 / SIGABRT is the gloo exit race). `--tp N` trai
 trainer's GPT with its tensor-parallel plan on a (nproc/N, N) mesh instead. `--src` puts another
 checkout's sources first on the path, to measure the rate before a fix side by side.
 `--jobs` runs launches concurrently (more load per core makes the race more likely).
+`--script meta|allreduce` launches benchmarks/exit_user_collectives.py instead, whose last
+collectives are the user's own (DTensor's `full_tensor()` after meta init and `materialize`;
+a plain `dist.all_reduce`), so none of them passes through shardwise.
 """
 
 from __future__ import annotations
@@ -29,17 +34,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "exit_user_script.py"
+COLLECTIVES = HERE / "exit_user_collectives.py"
+SCRIPTS = ("train", "meta", "allreduce")
 
 
-def launch(nproc: int, src: str | None, timeout_s: float, tp: int = 1) -> tuple[int, str]:
+def launch(nproc: int, src: str | None, timeout_s: float, tp: int = 1,
+           script: str = "train") -> tuple[int, str]:
     """(torchrun's exit status, the reason a worker failed, if any)."""
     env = dict(os.environ)
     env["SW_EXIT_TP"] = str(tp)
     if src:
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="sw-exit-") as tmp:
+        args = [str(SCRIPT), str(Path(tmp) / "ckpt")] if script == "train" \
+            else [str(COLLECTIVES), script]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(SCRIPT), str(Path(tmp) / "ckpt")]
+               f"--nproc-per-node={nproc}", *args]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -48,7 +58,8 @@ def launch(nproc: int, src: str | None, timeout_s: float, tp: int = 1) -> tuple[
     if p.returncode == 0:
         return 0, ""
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
-    why = "terminate called" if "terminate called" in out else ""
+    why = "terminate called" if "terminate called" in out else \
+        next((ln.strip()[:160] for ln in out.splitlines() if "Error:" in ln), "")
     return p.returncode, f"worker exitcode {','.join(sorted(set(codes)))} {why}".strip()
 
 
@@ -61,12 +72,14 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write the counts to this file")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (1: FSDP alone)")
+    ap.add_argument("--script", choices=SCRIPTS, default="train",
+                    help="train: exit_user_script.py; meta, allreduce: exit_user_collectives.py")
     args = ap.parse_args()
     t0 = time.perf_counter()
     failures: list[str] = []
     done = 0
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futs = [pool.submit(launch, args.nproc, args.src, args.timeout, args.tp)
+        futs = [pool.submit(launch, args.nproc, args.src, args.timeout, args.tp, args.script)
                 for _ in range(args.runs)]
         for f in cf.as_completed(futs):
             rc, why = f.result()
@@ -78,9 +91,11 @@ def main() -> int:
                 print(f"{done}/{args.runs} launches, {len(failures)} non-zero "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
     result = {"runs": args.runs, "nproc": args.nproc, "tp": args.tp, "jobs": args.jobs,
+              "script": args.script,
               "src": args.src or "this checkout", "nonzero": len(failures),
               "reasons": failures, "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"{args.runs} launches at {args.nproc} ranks (tp {args.tp}): {len(failures)} "
+    print(f"{args.runs} launches of {args.script} at {args.nproc} ranks (tp {args.tp}): "
+          f"{len(failures)} "
           "non-zero exits")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
