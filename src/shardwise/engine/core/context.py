@@ -129,8 +129,9 @@ class ModelContext:
         self.groups = agreement_groups(self.units)
         _check_same_layout(self.units, self.groups)
         self.streams = streams_for(self.top.mesh.device)
+        # A module's own attribute: a CheckpointWrapper forwards lookups to the unit inside.
         holders = find_holders(_named_modules(self.top.modules),
-                               lambda m: getattr(m, "_sw_unit", None) is not None)
+                               lambda m: vars(m).get("_sw_unit") is not None)
         if holders:
             self.containers = ContainerCheck(holders, lambda: self.in_backward)
         self.ready = True
