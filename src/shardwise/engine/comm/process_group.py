@@ -214,7 +214,8 @@ def wait_for_gloo_drops(limit_s: float) -> bool:
     return True
 
 
-# c10d names each ProcessGroupGloo worker thread so (runLoop sets it; torch >= 2.5).
+# c10d names each ProcessGroupGloo worker thread so (runLoop sets it in torch 2.13; a torch
+# that leaves them unnamed gives this wait nothing to see, and only the aliases are watched).
 _GLOO_WORKER = "pt_gloo_runloop"
 # The futex syscall's number by machine: a parked worker sleeps in one (its queue's condition
 # variable). Another machine falls back to the thread's state alone.
