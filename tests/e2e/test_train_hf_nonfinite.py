@@ -5,6 +5,8 @@ load with one line naming the file, the key and the count, and leaves no run fol
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +19,41 @@ from tests.hf_tokenizer import VOCAB_SIZE, corpus, save_tokenizer
 pytest.importorskip("peft")
 
 
-def test_nan_weights_stop_at_load_naming_the_tensor(tmp_path: Path) -> None:
+ARGS = ["--model.hf", "llama", "--data.path", "text.txt", "--name", "nan",
+        "--train.steps", "2", "--model.block_size", "16", "--train.batch_size", "2",
+        "--train.eval_interval", "0"]
+
+
+def _nan_folder(tmp_path: Path) -> Path:
     save_tiny("llama", tmp_path / "llama", vocab_size=VOCAB_SIZE, max_position_embeddings=64)
     save_tokenizer(tmp_path / "llama")
     (tmp_path / "text.txt").write_text(corpus())
     weights = tmp_path / "llama" / "model.safetensors"
     _corrupt(weights, "model.layers.0.mlp.down_proj.weight", 0, 1000)
-    out = shardwise_train("--model.hf", "llama", "--data.path", "text.txt", "--name", "nan",
-                          "--nproc", "2", "--train.steps", "2", "--model.block_size", "16",
-                          "--train.batch_size", "2", "--train.eval_interval", "0",
-                          cwd=tmp_path)
+    return weights
+
+
+def test_nan_weights_stop_at_load_naming_the_tensor(tmp_path: Path) -> None:
+    weights = _nan_folder(tmp_path)
+    out = shardwise_train(*ARGS, "--nproc", "2", cwd=tmp_path)
     assert out.returncode == 2, (out.stdout, out.stderr)
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, out.stderr
     assert (f"{weights}: model.layers.0.mlp.down_proj.weight has 250 NaN/inf values"
             in errors[0]), errors
     assert "on_nonfinite" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs" / "nan").exists(), "a run folder was left behind"
+
+
+def test_under_torchrun_too_no_run_folder_is_left(tmp_path: Path) -> None:
+    """The same under torchrun (and srun), where the command runs on its rank: the run
+    folder rank 0 created before loading is removed again."""
+    weights = _nan_folder(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "shardwise.cli", "train", *ARGS], cwd=tmp_path, text=True,
+        capture_output=True, timeout=600)
+    assert out.returncode != 0, (out.stdout, out.stderr)
+    assert (f"{weights}: model.layers.0.mlp.down_proj.weight has 250 NaN/inf values"
+            in out.stderr), out.stderr
     assert not (tmp_path / "runs" / "nan").exists(), "a run folder was left behind"

@@ -202,8 +202,7 @@ def main(argv: list[str]) -> int:
     for kind, note in notes:
         print(f"{PROG}: {kind}: {note}", file=sys.stderr)
     run = Path(cfg.out_dir).expanduser() / cfg.name
-    # A folder this invocation creates may be removed again if nothing was trained in it.
-    fresh = not cfg.resume and (cfg.overwrite or not run.exists() or not any(run.iterdir()))
+    fresh = creates_run_folder(cfg, run)
     print(f"{PROG}: launching {nproc} workers (torch.distributed elastic, "
           f"run folder {run})...", flush=True)
     try:
@@ -250,6 +249,13 @@ def config_on_every_rank(argv: list[str], rank: int) -> C.Config:
     return _config_from_dict(answer["config"])
 
 
+def creates_run_folder(cfg: C.Config, run: Path) -> bool:
+    """Whether this invocation creates the run folder `run` (asked before it exists): such a
+    folder is removed again if the run ends before its first step (rundir.discard_unstarted),
+    so the same command can run again once the cause is fixed."""
+    return not cfg.resume and (cfg.overwrite or not run.exists() or not any(run.iterdir()))
+
+
 def _under_torchrun(argv: list[str]) -> int:
     """Rank 0 resolves the config (and the run folder's name); every rank gets its answer.
 
@@ -268,10 +274,14 @@ def _under_torchrun(argv: list[str]) -> int:
             report(PROG, e)
         collectives.finish()
         return 2
+    run = Path(cfg.out_dir).expanduser() / cfg.name
+    fresh = rank == 0 and creates_run_folder(cfg, run)  # before rank 0 creates it
     try:
         result = worker(cfg)
     except tuple(expected_errors()) as e:
         if rank == 0:
+            if fresh:  # e.g. weights refused at load: nothing was trained in it
+                rundir.discard_unstarted(run)
             report(PROG, e)
         return expected_errors().get(type(e), 2)
     except KeyboardInterrupt:
