@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -43,3 +43,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# `make gpu-check`: every GPU test (tests/gpu) and `shardwise bench --device cuda` against
+# FSDP2, on a machine with an NVIDIA GPU (docs/gpu.md). The setup (once: .venv-gpu with torch
+# 2.13.0 from the default index, or python3's own CUDA torch where none can be fetched) is
+# bounded by GPU_SETUP_S; the checks themselves by GPU_CHECK_S (under 8 minutes). Results go
+# to $$OUT when set, else runs/gpu-check.
+GPU_VENV ?= .venv-gpu
+GPU_SETUP_S ?= 600
+GPU_CHECK_S ?= 470
+
+gpu-check:
+	@command -v nvidia-smi >/dev/null 2>&1 || { echo "make gpu-check: no nvidia-smi on PATH," \
+	  "so no NVIDIA GPU here: nothing was checked"; exit 2; }
+	timeout -k 10 $(GPU_SETUP_S) $(PY) tests/gpu/check.py setup --venv $(GPU_VENV)
+	timeout -k 10 $(GPU_CHECK_S) $(PY) tests/gpu/check.py run --venv $(GPU_VENV) \
+	  --budget-s $$(( $(GPU_CHECK_S) - 20 ))

@@ -191,6 +191,7 @@ BENCH_CASES = [
     cli("bench --no-memory=yes", "yes", IGNORED),
     cli(["bench", "--json", f"{NO_SUCH}/out.json"], "(folder missing)", f"{NA}: its folder "
         "does not exist"),
+    cli("bench --device tpu", "tpu", f"--device='tpu' {NA}: use cpu or cuda"),
 ]
 
 EXPLORE_CASES = [

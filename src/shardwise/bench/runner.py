@@ -6,6 +6,11 @@ time over all rounds. Peak RSS is reset before each system (Linux `clear_refs` 5
 system's high-water mark is its own... within one process that mark still includes what
 earlier systems left in the allocator, so peak memory is measured separately: each system
 in fresh processes (`memory_worker`), after the same imports and process-group start.
+
+On `device="cuda"` (one rank per GPU, NCCL) the model and data live on the GPU, each timed
+step is bracketed by `torch.cuda.synchronize()` (kernels run behind the host: without it a
+step's time would be its launch time), and each system's peak GPU memory is the allocator's
+own high-water mark, reset before the system is built.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class BenchConfig:
     steps: timed steps per system per round (after one warm-up step).
     systems: which systems (names from SYSTEMS).
     threads: torch intra-op threads per rank.
+    device: "cpu" (gloo) or "cuda" (NCCL, one rank per GPU, the model and data on it).
     """
 
     preset: str = "bench30m"
@@ -42,6 +48,7 @@ class BenchConfig:
     steps: int = 4
     systems: tuple[str, ...] = tuple(SYSTEMS)
     threads: int = 1
+    device: str = "cpu"
 
 
 def make_config(preset: str, seq_len: int):
@@ -83,25 +90,30 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
     from ..train.model import GPT
 
     cfg = make_config(bc.preset, bc.seq_len)
+    device = bench_device(bc.device)
     gc.collect()
     C.barrier(label=f"bench: before building {name}")
     base = _rss_now()
     _reset_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     model, opt = SYSTEMS[name](model)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g).to(device)
+    y = torch.randint(0, cfg.vocab_size, (bc.batch_size, bc.seq_len), generator=g).to(device)
     times = []
     for step in range(bc.steps + 1):
         C.barrier(label="bench: step start")  # every rank starts the clock together
+        _settle(device)
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False) if step == bc.steps else opt.zero_grad()
+        _settle(device)
         if step:  # step 0 warms up (lazy init, allocator, recorded prefetch order)
             times.append(time.perf_counter() - t0)
     state = model_state_bytes(model, opt)
@@ -109,8 +121,30 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
     copied = _copied_per_step(model, bc.steps + 1)
     del model, opt, loss
     gc.collect()
-    return {"times": times, "peak_rss": peak, "rss_growth": peak - base,
-            "model_state_bytes": state, "params": n_params, "copied": copied}
+    out = {"times": times, "peak_rss": peak, "rss_growth": peak - base,
+           "model_state_bytes": state, "params": n_params, "copied": copied}
+    if device.type == "cuda":
+        out["peak_gpu"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+def bench_device(kind: str) -> torch.device:
+    """Where this rank's model and data live: the CPU, or the GPU NCCL gave this rank."""
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def bench_backend(kind: str) -> str:
+    """gloo for the CPU bench even where CUDA exists (the default there is NCCL, which
+    refuses CPU tensors); NCCL for the GPU bench."""
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read measures it (CPU: nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _copied_per_step(model: torch.nn.Module, steps: int) -> dict[str, float]:
@@ -129,7 +163,7 @@ def bench_worker(bc: BenchConfig) -> dict:
     import shardwise as sw
 
     torch.set_num_threads(bc.threads)
-    rank, world, _ = sw.init_distributed()
+    rank, world, _ = sw.init_distributed(bench_backend(bc.device))
     results: dict[str, dict] = {n: {"times": [], "peak_rss": 0, "rss_growth": 0}
                                 for n in bc.systems}
     names = list(bc.systems)
@@ -144,6 +178,8 @@ def bench_worker(bc: BenchConfig) -> dict:
             out["model_state_bytes"] = res["model_state_bytes"]
             out["params"] = res["params"]
             out["copied"] = res["copied"]
+            if "peak_gpu" in res:
+                out["peak_gpu"] = max(out.get("peak_gpu", 0), res["peak_gpu"])
     for out in results.values():
         out["median_s"] = statistics.median(out["times"])
     return {"rank": rank, "world": world, "pid": os.getpid(), "results": results}
@@ -154,8 +190,8 @@ def memory_worker(bc: BenchConfig, name: str) -> dict:
     import shardwise as sw
 
     torch.set_num_threads(bc.threads)
-    rank, world, _ = sw.init_distributed()
+    rank, world, _ = sw.init_distributed(bench_backend(bc.device))
     res = _one_system(name, BenchConfig(bc.preset, bc.batch_size, bc.seq_len, 1, 2,
-                                        (name,), bc.threads), rank, seed=0)
+                                        (name,), bc.threads, bc.device), rank, seed=0)
     return {"rank": rank, "peak_rss": res["peak_rss"], "rss_growth": res["rss_growth"],
             "model_state_bytes": res["model_state_bytes"]}

@@ -35,12 +35,24 @@ def build_fsdp2(model: nn.Module) -> tuple[nn.Module, object]:
     # PyTorch's own FSDP2, with the same units as shardwise: each block, then the root.
     from torch.distributed.fsdp import fully_shard
 
+    mesh = _world_mesh(model)
     blocks = _block_types(model)
     for m in list(model.modules()):
         if isinstance(m, blocks):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _world_mesh(model: nn.Module) -> object:
+    """Every rank, on the device the model was put on. FSDP2's own default is the
+    accelerator's mesh wherever one exists, which would move the CPU bench's model to a GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..engine.comm import collectives as C
+
+    device = next(model.parameters()).device
+    return init_device_mesh(device.type, (C.world_size(),))
 
 
 def build_ddp(model: nn.Module) -> tuple[nn.Module, object]:
