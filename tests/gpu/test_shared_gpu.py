@@ -38,3 +38,13 @@ def test_two_ranks_share_one_gpu_over_gloo(strategy: str, offload: bool) -> None
         assert r["unit_devices"] == ["cuda:0"], r
         assert r["transports"] == ["all_to_all"], r
     assert max(r["worst"] for r in out) < TOL, out
+
+
+@pytest.mark.gpu
+def test_grad_scaler_inf_on_one_rank_skips_every_rank() -> None:
+    # The found-inf flag is computed on the GPU and reduced over gloo on the host: it must
+    # reach the host before it is read, or a rank reads a flag its copy has not written yet.
+    trials = 5
+    out = run_distributed(workers.shared_gpu_scaler, 2, trials, backend="gloo",
+                          timeout_s=CASE_S)
+    assert out == [[False] * trials + [True]] * 2, out

@@ -81,3 +81,32 @@ def _train_and_compare(model: nn.Module, ref: nn.Module, device: torch.device, r
         ref_opt.zero_grad()
     full = sw.full_state_dict(model)
     return max((full[n].to(device) - p).abs().max().item() for n, p in ref.named_parameters())
+
+
+def shared_gpu_scaler(rank: int, world: int, trials: int) -> list[bool]:
+    """ShardedGradScaler on two ranks sharing one GPU: rank 1 alone finds an inf in its
+    shard of the gradients for `trials` steps, then one clean step. Returns, per step,
+    whether this rank's optimizer stepped; every rank must agree (skip, ..., skip, step)."""
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (world,))
+    device = torch.device("cuda", 0)
+    model = make_model("lm", 0)
+    sw.shard_model(model, sharding_strategy="FULL_SHARD", auto_wrap_policy="transformer",
+                   mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = sw.ShardedGradScaler(init_scale=2.0**4)
+    stepped = []
+    for step in range(trials + 1):
+        x, y = make_batch("lm", step, PER_RANK * world)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        loss = loss_fn("lm", model(x[mine].to(device)).float(), y[mine].to(device))
+        scaler.scale(loss).backward()
+        if rank == 1 and step < trials:
+            with torch.no_grad():
+                g = next(g for g in (p.grad.to_local() for p in model.parameters()
+                                     if p.grad is not None) if g.numel())
+                g.view(-1)[0] = float("inf")
+        stepped.append(scaler.step(opt))
+        scaler.update()
+        opt.zero_grad()
+    return stepped
