@@ -24,7 +24,7 @@ from shardwise.testing import run_distributed
 from tests.gpu import workers
 
 TOL = 1e-4
-CASE_S = 150.0
+CASE_S = 120.0
 
 
 @pytest.mark.gpu
