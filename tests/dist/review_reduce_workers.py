@@ -9,7 +9,7 @@ run (or DDP) gives: the mean over ranks of each rank's loss gradient, accumulate
 - `direct_unit_called_twice`: the same with one backward: a NO_SHARD unit called twice in
   forward reduces twice; a parameter used by different calls on different ranks kept only
   the second reduction.
-- `mixed_path_no_sync`: at 2 ranks (then the pair transport; now all-to-all), no_sync with reduce_dtype != the
+- `mixed_path_no_sync`: at 2 ranks (then the pair transport), no_sync with reduce_dtype != the
   gradients' dtype. Whether a bucket reduces "in parts" was decided per rank from the
   local gradients' dtypes (accumulated ones are in the reduce dtype, fresh ones are not),
   so two ranks could take different paths and exchange mismatched messages.

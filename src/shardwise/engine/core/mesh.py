@@ -66,10 +66,8 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
     ndim = getattr(mesh, "ndim", None)
     if not isinstance(mesh, DeviceMesh):
         ndim = None  # not a DeviceMesh, whatever its ndim says
-    elif mesh.device_type == "cuda" and device.type != "cuda":
-        # A CUDA mesh over gloo (two ranks sharing one GPU, where NCCL refuses duplicate
-        # devices): the units live on the mesh's device, as FSDP2's do.
-        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = _device_of(mesh)
     if ndim == 1:
         g = mesh.get_group()  # type: ignore[attr-defined]
         return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
@@ -78,6 +76,14 @@ def mesh_info_for(mesh: object | None) -> MeshInfo:
         return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
                         device, grank, mesh)  # type: ignore[arg-type]
     raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    """The units' device for `mesh`: a CUDA mesh over gloo (two ranks sharing one GPU, where
+    NCCL refuses duplicate devices) puts them on the GPU, as FSDP2 does; else the backend's."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return default_device()
 
 
 def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object | None:
@@ -92,7 +98,7 @@ def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object
             raise ValueError(f"NO_SHARD takes mesh=None (every rank) or a 1-D DeviceMesh of "
                              f"the ranks that replicate the model, got {mesh!r}")
         g = mesh.get_group()
-        return MeshInfo(None, 0, 1, g, C.world_size(g), default_device(), C.rank())
+        return MeshInfo(None, 0, 1, g, C.world_size(g), _device_of(mesh), C.rank())
     if strategy is ShardingStrategy.HYBRID_SHARD:
         if mesh is not None:
             if getattr(mesh, "ndim", None) != 2:

@@ -96,7 +96,9 @@ class ShardedGradScaler:
                 found = torch.zeros(1, device=dev)
                 inv = torch.full((1,), 1.0 / self.scale_value, device=dev)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-                flag = torch.maximum(flag, found.to(device, non_blocking=True))
+                # Blocking when it leaves the GPU for the host (gloo): a non-blocking copy into
+                # pageable memory would be read before it landed.
+                flag = torch.maximum(flag, found.to(device))
         group = _model_group_of(optimizer)
         if C.is_initialized() and group.size > 1:
             for g in group.groups:  # [None] (one world all-reduce) unless on a subgroup
