@@ -10,9 +10,10 @@ the scenario.
 - `allreduce`: shards, trains 2 steps, then a plain `dist.all_reduce` of a tensor the script
   made and dropped; ends.
 
-With SW_EXIT_TP=N (N > 1) the `meta` scenario builds the trainer's GPT on a (world/N, N)
-mesh with its tensor-parallel plan instead, so the last collectives are DTensor all-gathers
-over both mesh dimensions. Neither scenario calls destroy_process_group.
+With SW_EXIT_TP=N (N > 1) the `meta` scenario builds the trainer's GPT on the CPU (materialize
+refuses tensor-parallel parameters) with its tensor-parallel plan on a (world/N, N) mesh
+instead, so the last collectives are DTensor all-gathers over both mesh dimensions' groups.
+Neither scenario calls destroy_process_group.
 """
 
 from __future__ import annotations
@@ -38,25 +39,23 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def build_meta(world: int, tp: int) -> nn.Module:
-    with torch.device("meta"):
-        if tp > 1:
-            from shardwise.train.model import GPT, GPTConfig
-
-            model: nn.Module = GPT(GPTConfig(vocab_size=7, block_size=8, n_layer=2, n_head=4,
-                                             d_model=32))
-        else:
-            model = nn.Sequential(*(Block(33) for _ in range(3)), nn.Linear(33, 7))
+def build(world: int, tp: int) -> nn.Module:
     if tp > 1:
+        # materialize refuses tensor-parallel parameters (it names the fix: build on a real
+        # device first), so the dp x tp form builds on the CPU, then parallelizes and shards.
         from torch.distributed.device_mesh import init_device_mesh
 
+        from shardwise.train.model import GPT, GPTConfig
         from shardwise.train.tensor_parallel import parallelize_gpt
 
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        model: nn.Module = GPT(GPTConfig(vocab_size=7, block_size=8, n_layer=2, n_head=4,
+                                         d_model=32))
         parallelize_gpt(model, mesh["tp"])
-        sw.shard_model(model, mesh=mesh["dp"])
-    else:
-        sw.shard_model(model, auto_wrap_policy=sw.transformer_policy({Block}))
+        return sw.shard_model(model, mesh=mesh["dp"])
+    with torch.device("meta"):
+        model = nn.Sequential(*(Block(33) for _ in range(3)), nn.Linear(33, 7))
+    sw.shard_model(model, auto_wrap_policy=sw.transformer_policy({Block}))
     return sw.materialize(model, seed=0)
 
 
@@ -67,7 +66,7 @@ if scenario not in ("meta", "allreduce"):
 rank, world, _ = sw.init_distributed()
 tp = int(os.environ.get("SW_EXIT_TP", "1"))
 if scenario == "meta":
-    model = build_meta(world, tp)
+    model = build(world, tp)
     total = 0.0
     for p in model.parameters():
         # DTensor's own collective: its tensors never pass through shardwise.
