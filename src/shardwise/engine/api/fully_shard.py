@@ -13,6 +13,7 @@ from ..core import dtensor as DT
 from ..core.buffers import BufferPool
 from ..core.checks import check_module, check_params, check_shard_placement
 from ..core.context import ModelContext
+from ..core.extension import is_subclass
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.inspect import units_of
 from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
@@ -286,16 +287,36 @@ def _check_plain(ref: ParamRef, t: torch.Tensor, tp: TPContext | None) -> None:
             f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
             f"{t.device_mesh}); shardwise shards plain parameters and TP "  # type: ignore[attr-defined]
             "DTensors from parallelize_module (see docs/parallelism.md)")
-    if DT.uses_all_gather_extension(t) or (
-            not DT.is_dtensor(t)
-            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
-        # The shards are plain tensors copied out of it: a subclass's other data (TwoTensor's
-        # second tensor) and FSDP2's all-gather hooks (float8 / bf16 gathers) would be
-        # dropped without a word, and training would give other numbers than FSDP2.
+    if DT.is_dtensor(t):
+        if DT.uses_all_gather_extension(t) or is_subclass(DT.local_of(t)):
+            raise NotImplementedError(
+                f"{ref.fqn} is a tensor-parallel DTensor over a "
+                f"{type(DT.local_of(t)).__name__}: FSDP2's all-gather extensions with tensor "
+                "parallelism are not supported; shard it without parallelize_module")
+        return
+    if not is_subclass(t):
+        if DT.uses_all_gather_extension(t):
+            # FSDP2 drops them silently (its shard is a new tensor); so would shardwise.
+            raise NotImplementedError(
+                f"{ref.fqn} carries fsdp_pre_all_gather / fsdp_post_all_gather on the tensor "
+                "given to fully_shard, where they do not survive sharding: define them on a "
+                "tensor subclass, or patch them onto the shard after sharding "
+                f"(model.get_parameter({ref.fqn!r})._local_tensor), as in FSDP2")
+        return
+    # [Note: all-gather extensions] in engine/core/extension.py.
+    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    problem = (
+        "it does not define FSDP2's all-gather extension (fsdp_pre_all_gather and "
+        "fsdp_post_all_gather), so its gather would drop the subclass's own data"
+        if not (pre or post) else
+        "it defines only one of fsdp_pre_all_gather / fsdp_post_all_gather" if pre != post else
+        "it is on the meta device (build extension parameters on a real device)" if t.is_meta
+        else "it is 0-d (extension parameters are sharded on dim 0)" if t.dim() == 0
+        else "")
+    if problem:
         raise NotImplementedError(
-            f"{ref.fqn} is a {type(t).__name__}: shardwise shards plain tensors only; tensor "
-            "subclass parameters and FSDP2's all-gather extensions (fsdp_pre_all_gather / "
-            "fsdp_post_all_gather) are not supported")
+            f"{ref.fqn} is a {type(t).__name__} parameter that shardwise cannot shard: "
+            f"{problem}")
 
 
 def _rehome(rehome: _Rehome) -> list[ShardedParam]:

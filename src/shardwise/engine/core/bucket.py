@@ -21,12 +21,15 @@ class FlatBucket:
 
     dtype: torch.dtype
     params: list[ShardedParam]
+    # Gathered through this bucket's flat chunk: all but the extension parameters, which
+    # the unit gathers by their hooks ([Note: all-gather extensions]); they reduce here.
+    gathered: list[ShardedParam] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # into one rank's all-gather chunk
     numel: int = 0  # one rank's chunk
     grad_params: list[ShardedParam] = field(default_factory=list)
     grad_offsets: list[int] = field(default_factory=list)
     grad_numel: int = 0
-    sizes: list[int] = field(default_factory=list)  # each parameter's chunk, in order
+    sizes: list[int] = field(default_factory=list)  # each gathered parameter's chunk
 
     # The reduction's "has a gradient" flags when every parameter has one, per reduce dtype
     # (made once per layout: the bucket is rebuilt when the layout changes).
@@ -41,9 +44,11 @@ class FlatBucket:
 
     def __post_init__(self) -> None:
         for p in self.params:
-            self.sizes.append(p.chunk_numel)
-            self.offsets.append(self.numel)
-            self.numel += p.chunk_numel
+            if p.ext is None:
+                self.gathered.append(p)
+                self.sizes.append(p.chunk_numel)
+                self.offsets.append(self.numel)
+                self.numel += p.chunk_numel
             if p.requires_grad:
                 self.grad_params.append(p)
                 self.grad_offsets.append(self.grad_numel)

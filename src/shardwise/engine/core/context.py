@@ -20,7 +20,6 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.debug import debug_enabled
-from . import dtensor as DT
 from .containers import ContainerCheck, find_holders
 from .events import EventSink
 from .freeze_check import check_same_trainable
@@ -117,14 +116,11 @@ class ModelContext:
                 f"parameters {meta[:5]}{' ...' if len(meta) > 5 else ''} are still on the "
                 "meta device: call sw.materialize(model) or sw.load_full_state_dict(model, "
                 "sd) before the first forward")
-        ext = [p.fqn for u in self.units for p in u.params
-               if DT.uses_all_gather_extension(p.sharded)]
-        if ext:
-            # Patched onto the shards after sharding (FSDP2's monkey-patch recipe): refused
-            # before any collective, on every rank, rather than gathered without it.
-            raise NotImplementedError(
-                f"parameters {ext[:5]} carry FSDP2's all-gather extension "
-                "(fsdp_pre_all_gather / fsdp_post_all_gather), which shardwise does not run")
+        for u in self.units:
+            # FSDP2's monkey-patch recipe: hooks patched onto the shards after sharding
+            # gather through them from the first forward on ([Note: all-gather extensions]).
+            if any([p.refresh_extension() for p in u.params]):
+                u.set_params(u.params)
         check_params_in_place(self.units)
         self.groups = agreement_groups(self.units)
         _check_same_layout(self.units, self.groups)

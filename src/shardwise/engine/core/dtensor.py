@@ -87,5 +87,5 @@ def is_dtensor(t: object) -> bool:
 
 def uses_all_gather_extension(t: torch.Tensor) -> bool:
     """Whether `t` or its local tensor carries FSDP2's all-gather extension
-    (`fsdp_pre_all_gather`), which shardwise does not run."""
+    (`fsdp_pre_all_gather`; [Note: all-gather extensions] in extension.py)."""
     return any(hasattr(x, "fsdp_pre_all_gather") for x in (t, local_of(t)))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
+from .extension import Extension, has_hooks, is_subclass, shard_mesh_of
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -97,6 +98,12 @@ class ShardedParam:
         self.row_end = min((shard_rank + 1) * self.chunk_rows, self.dim0)
         # Elements of one padded shard: what each rank contributes to an all-gather.
         self.chunk_numel = self.chunk_rows * self.row_numel
+        # A tensor subclass with FSDP2's all-gather hooks (NF4, float8 weights): its shard
+        # stays that subclass and its hooks decide the gather ([Note: all-gather extensions]).
+        self.subclass = is_subclass(param)
+        # The hooks' state while the shard carries them (set in _build; refresh_extension).
+        self.ext: Extension | None = None
+        self._device_mesh = device_mesh
 
         # The unit this parameter belongs to (set by fully_shard; changes when re-homed).
         self.owner: Unit | None = None
@@ -106,16 +113,32 @@ class ShardedParam:
         # Direct parameters keep their gradient in place: (tensor, version) of the one last
         # handed to a reduction, so that an untouched gradient is not reduced twice.
         self._handed: tuple[weakref.ref[torch.Tensor], int] | None = None
-        padded = torch.zeros(
-            (self.chunk_rows, *self.rest), dtype=self.orig_dtype, device=self._shard_device(param)
-        )
-        if not param.is_meta:
-            with torch.no_grad():
-                rows = param.detach().reshape(shape2d)[self.row_start : self.row_end]
-                padded[: self.row_end - self.row_start].copy_(rows)
+        if self.subclass:
+            padded = self._subclass_shard(param)
+        else:
+            padded = torch.zeros((self.chunk_rows, *self.rest), dtype=self.orig_dtype,
+                                 device=self._shard_device(param))
+            if not param.is_meta:
+                with torch.no_grad():
+                    rows = param.detach().reshape(shape2d)[self.row_start : self.row_end]
+                    padded[: self.row_end - self.row_start].copy_(rows)
         if self.pin_memory and not param.is_meta:
             padded = padded.pin_memory()
         self._build(padded, meta=param.is_meta)
+
+    def _subclass_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's padded chunk of a subclass parameter, made by the subclass's own ops
+        (FSDP2's: new_zeros of the padded size, this rank's torch.chunk copied into its
+        first rows), so it stays the subclass with this rank's share of the inner data."""
+        data = param.detach()
+        chunks = torch.chunk(data, self.shard_size, dim=0)
+        with torch.no_grad():
+            padded = data.new_zeros((self.chunk_rows, *self.rest))
+            if self.local_rows > 0:
+                padded.narrow(0, 0, self.local_rows).copy_(chunks[self.shard_rank])
+        if self.host_device != padded.device:
+            padded = padded.to(self.host_device)
+        return padded
 
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
@@ -124,12 +147,18 @@ class ShardedParam:
         if old is not None:
             # Replaced (materialize): an optimizer still holding it must fail loudly.
             old._sw_orig_of = self  # type: ignore[attr-defined]
-        # This rank's rows as a plain tensor: what the engine, checkpoints and grad norm use.
-        self.local = padded[: self.local_rows]
+        # This rank's rows as a plain tensor: what the engine, checkpoints and grad norm use
+        # (a subclass parameter's: the subclass, narrowed by its own op as in FSDP2).
+        self.local = (padded.narrow(0, 0, self.local_rows) if self.subclass
+                      else padded[: self.local_rows])
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
         face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
+        if self.spec is not None:
+            # The very tensor object inside the DTensor (nn.Parameter detached a new alias
+            # of the same storage): FSDP2's recipe patches its hooks onto that object.
+            self.local = DT.local_of(self.sharded)
         # Direct: one rank holds everything in the compute dtype on the compute device, so
         # the sharded parameter *is* the unsharded one (NO_SHARD without casts). Not for a
         # 0-d parameter: its shard is shaped (1,), and forward must see shape () (a copy of
@@ -143,8 +172,16 @@ class ShardedParam:
             and self.tp is None
             # A DTensor face (a one-rank mesh): forward computes with a plain tensor.
             and self.spec is None
+            and not self.subclass
         )
-        if self.direct:
+        if self.subclass:
+            # The unsharded parameter comes from the first gather's post hook; until then
+            # an empty stand-in keeps the flags (requires_grad, .grad = None) meaningful.
+            self._full_padded = None
+            self.unsharded = nn.Parameter(torch.empty(0, dtype=self.compute_dtype,
+                                                      device="meta" if meta else self.device),
+                                          requires_grad=self.requires_grad)
+        elif self.direct:
             self._full_padded = padded
             self.unsharded = self.sharded
         else:
@@ -162,13 +199,38 @@ class ShardedParam:
             self.unsharded._sw_param = self  # type: ignore[attr-defined]
         # Kept, not remade per gather: views of a tensor follow its storage through
         # `resize_`, and the storage object is the same one each time.
-        self._storage = None if meta else self._full_padded.untyped_storage()
-        self._nbytes = self._full_padded.numel() * self._full_padded.element_size()
-        self._rows = self._full_padded.data.view(self.shard_size, self.chunk_numel)
+        full = self._full_padded
+        self._storage = None if meta or full is None else full.untyped_storage()
+        self._nbytes = 0 if full is None else full.numel() * full.element_size()
+        self._rows = None if full is None else full.data.view(self.shard_size, self.chunk_numel)
+        self.ext = None
+        self.refresh_extension()
         if not self.direct:
             self.free_unsharded()
         for ref in self.refs:
             ref.module._parameters[ref.name] = self.sharded
+
+    def refresh_extension(self) -> bool:
+        """Take up FSDP2's all-gather hooks on the shard (a subclass's, or patched onto it
+        after sharding, FSDP2's monkey-patch recipe); True when that changed."""
+        hooked = has_hooks(self.local)
+        if hooked == (self.ext is not None):
+            return False
+        if not hooked:
+            self.ext = None
+            return True
+        if self.direct or self._device_mesh is None:
+            raise NotImplementedError(
+                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) runs on "
+                "parameters sharded on a DeviceMesh; NO_SHARD (sharding_strategy) has none: "
+                "use fully_shard or FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD")
+        self.ext = Extension(self, shard_mesh_of(self._device_mesh))
+        return True
+
+    def set_unsharded(self, param: nn.Parameter) -> None:
+        """The unsharded parameter an extension's first post hook made."""
+        param._sw_param = self  # type: ignore[attr-defined]
+        self.unsharded = param
 
     def set_requires_grad(self, requires_grad: bool) -> None:
         self.requires_grad = requires_grad
@@ -278,6 +340,7 @@ class ShardedParam:
     # --- unsharded storage: exists only between unshard and reshard -----------------
 
     def alloc_unsharded(self) -> None:
+        """Plain parameters' unsharded storage back (extensions: extension.py does it)."""
         storage = self._storage
         if self.direct or storage is None:
             return
@@ -285,6 +348,8 @@ class ShardedParam:
             storage.resize_(self._nbytes)
 
     def free_unsharded(self) -> None:
+        if self.ext is not None:
+            self.ext.free()
         storage = self._storage
         if self.direct or storage is None:
             return
@@ -293,6 +358,7 @@ class ShardedParam:
 
     def unsharded_rows_view(self) -> torch.Tensor:
         """(S, C * row_numel) view of the unsharded buffer: row r is rank r's chunk."""
+        assert self._rows is not None, "a subclass parameter has no flat unsharded buffer"
         return self._rows
 
     # --- materialization (meta -> real) ------------------------------------------------

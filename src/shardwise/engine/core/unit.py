@@ -24,6 +24,7 @@ from ..comm.transport import Transport
 from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
 from .events import Event, Span, now
+from .extension import ExtGather, pack, unpack
 from .mesh import MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .reduce import PendingReduce, finish_reduce, reduce_bucket
@@ -80,6 +81,10 @@ class Unit:
         self.transport: Transport = mesh.transport
         self.state_view: ShardwiseState | None = None
         self._gathers: list[PendingGather] = []
+        # The extension parameters' packed all-gather in flight ([Note: all-gather
+        # extensions] in extension.py), beside the plain buckets' gathers.
+        self._ext_gather: ExtGather | None = None
+        self.ext_params: list[ShardedParam] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
         # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
         # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
@@ -105,6 +110,7 @@ class Unit:
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
         self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+        self.ext_params = [p for p in self.params if p.ext is not None]
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
@@ -170,14 +176,14 @@ class Unit:
         if self.state is not ShardedState.SHARDED:
             return
         S, transport = self.mesh.shard_size, self.transport
+        streams = self.ctx.streams if self.ctx is not None else None
+        if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
+            # An explicit unshard() between steps: the shards may have just been written.
+            streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
         for g in self.buckets:
-            if S == 1:
+            if S == 1 or g.numel == 0:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
-            streams = self.ctx.streams if self.ctx is not None else None
-            if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
-                # An explicit unshard() between steps: the shards may have just been written.
-                streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
             with _on(streams and streams.copy_in):  # [Note: streams]
                 out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
                 send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
@@ -185,8 +191,8 @@ class Unit:
                 with torch.no_grad():
                     # Casts to the compute dtype and, under offload, copies host -> device.
                     torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
-                                          in zip(g.params, g.offsets)],
-                                         [p.padded_shard.reshape(-1) for p in g.params],
+                                          in zip(g.gathered, g.offsets)],
+                                         [p.padded_shard.reshape(-1) for p in g.gathered],
                                          non_blocking=True)
             # all-to-all also replicates the shard into every peer's row.
             self.copied["gather_in"] += (g.numel * shard.element_size()
@@ -204,7 +210,41 @@ class Unit:
             # A synchronous gather blocks inside the call: all of it is exposed.
             self._gathers.append(PendingGather(g, send, out, work, start,
                                                0.0 if async_op else call.seconds))
+        if self.ext_params:
+            self._ext_gather = self._gather_extensions(async_op, streams)
         self.state = ShardedState.GATHERING
+
+    def _gather_extensions(self, async_op: bool, streams: Any) -> ExtGather:
+        """The extension parameters' pre hooks and their one packed all-gather
+        ([Note: all-gather extensions] in extension.py)."""
+        start = now()
+        with _on(streams and streams.copy_in):  # the hooks run where the copy-in does
+            send, pg = pack(self, self.ext_params)
+        pg.start = start
+        numel, S = sum(pg.split), self.mesh.shard_size
+        self.copied["gather_in"] += (numel * send.element_size()
+                                     * (S if self.transport.name == "all_to_all" else 1))
+        if S == 1:
+            return pg  # the send row is the output: nothing to gather
+        if streams is not None:
+            streams.all_gather.wait_stream(streams.copy_in)
+            with _on(streams.all_gather):
+                pg.work = self.transport.all_gather(pg.out, send, numel, False,
+                                                    label=self.label)
+                pg.done = record(streams.all_gather)
+            return pg
+        with Span() as call:
+            pg.work = self.transport.all_gather(pg.out, send, numel, async_op, label=self.label)
+        pg.blocked = 0.0 if async_op else call.seconds
+        return pg
+
+    def _wait(self, pg: PendingGather | ExtGather) -> float:
+        """Wait for a gather (CUDA: the compute stream waits); the exposed seconds."""
+        if pg.done is not None:  # [Note: streams]
+            return ExposedWait(pg.done, bool(self.ctx and self.ctx.sinks)).seconds
+        with Span() as wait:
+            pg.work.wait()
+        return wait.seconds
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
@@ -215,28 +255,26 @@ class Unit:
         S = self.mesh.shard_size
         with torch.no_grad():
             for pg in self._gathers:
-                if pg.done is not None:  # [Note: streams]: the compute stream waits
-                    wait: Any = ExposedWait(pg.done, bool(self.ctx and self.ctx.sinks))
-                else:
-                    with Span() as wait:
-                        pg.work.wait()
+                waited = self._wait(pg)
                 self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
-                for p in pg.bucket.params:
+                for p in pg.bucket.gathered:
                     p.alloc_unsharded()
                 # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
                 # views so the copy does not bump the autograd version counter that tensors
                 # saved in forward check in backward (they alias this storage).
                 torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1,
                                             out=[p.unsharded_rows_view()
-                                                 for p in pg.bucket.params])
+                                                 for p in pg.bucket.gathered])
                 self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
                 self.pool.release(pg.out)
                 self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
-                           pg.start, wait.seconds + pg.blocked)
+                           pg.start, waited + pg.blocked)
+            if self._ext_gather is not None:
+                self._finish_extensions(self._ext_gather)
             if S == 1:
                 for p in self.params:
-                    if not p.direct:
+                    if not p.direct and p.ext is None:
                         p.alloc_unsharded()
                         p.full_padded.data.copy_(p.padded_shard, non_blocking=True)
         self._gathers.clear()
@@ -244,6 +282,18 @@ class Unit:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.unsharded
         self.state = ShardedState.UNSHARDED
+
+    def _finish_extensions(self, pg: ExtGather) -> None:
+        self._ext_gather = None
+        waited = self._wait(pg) if self.mesh.shard_size > 1 else 0.0
+        if pg.pooled:
+            self.pool.release(pg.send)
+        unpack(self, pg)
+        nbytes = pg.out.numel() * pg.out.element_size()
+        self.copied["gather_out"] += nbytes
+        if pg.pooled:
+            self.pool.release(pg.out)
+            self.emit("all_gather", "all_gather", nbytes, pg.start, waited + pg.blocked)
 
     def shards_changed_since_gather(self) -> bool:
         """Unsharded, and some shard was written since it was gathered: this rank's rows of
@@ -256,6 +306,8 @@ class Unit:
         if self.state is not ShardedState.UNSHARDED:
             return False
         for p in self.params:
+            if p.ext is not None:
+                return True  # what its hooks gathered cannot be compared to the shard
             if p.direct:
                 continue
             mine = p.unsharded_rows_view()[p.shard_rank][: p.local_rows * p.row_numel]
