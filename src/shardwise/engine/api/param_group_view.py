@@ -4,8 +4,10 @@ Frameworks and tests written for FSDP2 read a unit's policies and parameters fro
 FSDPParamGroup (`mp_policy`, `offload_policy`, `fsdp_params[i].sharded_param`, ...). These
 views answer the same questions from shardwise's unit, with torch's own policy classes, so
 `isinstance(pg.offload_policy, CPUOffloadPolicy)` reads as on FSDP2. They are read-only
-facts: FSDP2's machinery (streams, `comm_ctx`, all-gather outputs) has no counterpart here,
-and reading it raises AttributeError rather than returning an empty stand-in.
+facts, plus the one action torch.distributed.pipelining takes on a param group,
+`post_backward()` ([Note: pipelining] in state.py). FSDP2's machinery (streams,
+`comm_ctx`, all-gather outputs) has no counterpart here, and reading it raises
+AttributeError rather than returning an empty stand-in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import OffloadPolicy as TorchNoOffload
+
+from ..core.schedule import ShardedState
 
 if TYPE_CHECKING:
     from ..core.mesh import MeshInfo
@@ -127,6 +131,17 @@ class FSDPParamGroupView:
     @property
     def reshard_after_backward(self) -> bool:
         return self._unit.reshard_after_backward
+
+    def post_backward(self) -> None:
+        """Reduce what this unit's backward passes accumulated (and, per
+        `reshard_after_backward`, reshard): what torch.distributed.pipelining calls on every
+        param group after the last microbatch ([Note: pipelining]). The reductions are
+        waited for by the root state's `_root_post_backward_final_callback()`."""
+        unit = self._unit
+        if unit.ctx is None:
+            return
+        if unit.state is not ShardedState.SHARDED or unit.has_unreduced_grads():
+            unit.ctx.schedule.post_backward(unit)
 
     def __repr__(self) -> str:
         return f"FSDPParamGroupView({self._unit.label!r}, params={len(self._unit.params)})"

@@ -11,6 +11,22 @@ frameworks read from FSDP2's private fields are here too, with FSDP2's types:
 `_mp_policy`, `_is_root`, `_modules`, `_device`. FSDP2's machinery (`_comm_ctx`, streams,
 prefetch lists) does not exist here: code that reads it gets an AttributeError instead of
 a silently empty answer.
+
+[Note: pipelining] torch.distributed.pipelining drives a stage's FSDP from outside. Before
+each microbatch's backward it calls `set_is_last_backward(False)`,
+`set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)` on the stage
+module, so the units accumulate unreduced gradients and stay gathered. After the last
+microbatch (its REDUCE_GRAD action, `stage.perform_reduce_grad`) it sets the three back to
+True, takes the state with *torch's* `fully_shard.state(stage)` (its own import, which
+`patch_fsdp2` does not rebind), calls `post_backward()` on every param group of every
+state in `state._state_ctx.all_states`, then `state._root_post_backward_final_callback()`.
+So the view is registered where torch's `fully_shard.state` looks (`register_torch_state`),
+`post_backward()` reduces a unit's accumulated gradients now (param_group_view.py), and the
+final callback is the end of a backward: every pending reduction waited for, the units
+resharded. Multi-stage schedules also call `unshard(async_op=True)`, the handle's `wait()`
+and `reshard()` on every FSDPModule of a stage (module_api.py), and the metadata
+inference's cleanup calls `reshard()` and sets `.grad = None`. Tested against FSDP2 running
+the same schedules (tests/dist/test_pipelining.py).
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed._composable.contract import STATE_KEY as _COMPOSABLE_STATE_KEY
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from .param_group_view import FSDPParamGroupView, torch_mp_policy
@@ -94,6 +112,19 @@ class ShardwiseState:
     def _device(self) -> torch.device:
         return self.unit.mesh.device
 
+    # What torch.distributed.pipelining walks after the last microbatch's backward
+    # ([Note: pipelining]): every state under this root, then the root's final callback.
+
+    @property
+    def _state_ctx(self) -> StateContextView:
+        return StateContextView(self.unit)
+
+    def _root_post_backward_final_callback(self) -> None:
+        """Wait for every reduction the param groups' `post_backward()` issued, reshard the
+        units that reshard after backward: the end of a backward, run by hand."""
+        if self.unit.ctx is not None:
+            self.unit.ctx.finish_backward()
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
                      ) -> tuple[tuple, dict]:
 
@@ -108,15 +139,48 @@ class ShardwiseState:
                 f"shard_size={self.unit.mesh.shard_size})")
 
 
+class StateContextView:
+    """FSDP2's `_state_ctx`: the states of every unit under one root."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    @property
+    def all_states(self) -> list[ShardwiseState]:
+        ctx = self._unit.ctx
+        units = ctx.units if ctx is not None else [self._unit]
+        return [_view(u) for u in units]
+
+
+def _view(unit: Unit) -> ShardwiseState:
+    if unit.state_view is None:
+        unit.state_view = ShardwiseState(unit)
+    return unit.state_view
+
+
+# FSDP2 keeps a module's state where torch's composable APIs keep theirs: in the module's
+# __dict__ under contract's STATE_KEY, keyed by the undecorated fully_shard (functools.wraps
+# leaves it as __wrapped__). torch's `fully_shard.state(m)` reads it there ([Note:
+# pipelining]). A torch whose contract hides it: nothing is registered, and pipelining's
+# walk fails in torch as it did before.
+_TORCH_FULLY_SHARD = getattr(torch_fully_shard, "__wrapped__", None)
+
+
+def register_torch_state(module: nn.Module, unit: Unit) -> None:
+    """Make torch's `fully_shard.state(module)` return shardwise's view of `unit` (and
+    torch's fully_shard on this module refuse, as on a module FSDP2 sharded already)."""
+    if _TORCH_FULLY_SHARD is None:
+        return
+    module.__dict__.setdefault(_COMPOSABLE_STATE_KEY, {})[_TORCH_FULLY_SHARD] = _view(unit)
+
+
 def state_of(module: nn.Module) -> ShardwiseState | None:
     """`fully_shard.state(module)`: the state of the unit `fully_shard` made on `module`
     (None for a module that was not itself given to fully_shard, as in FSDP2)."""
     unit = getattr(module, "_sw_unit", None)
     if unit is None:
         return None
-    if unit.state_view is None:
-        unit.state_view = ShardwiseState(unit)
-    return unit.state_view
+    return _view(unit)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
