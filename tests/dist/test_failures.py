@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from shardwise.testing import DistributedError, run_distributed
@@ -11,13 +9,13 @@ from tests.dist import failures
 
 
 def test_dead_rank_raises_on_the_survivor() -> None:
-    started = time.monotonic()
     with pytest.raises(DistributedError) as info:
         run_distributed(failures.dead_rank, 2, timeout_s=90, collective_timeout_s=20)
     text = str(info.value)
-    assert "--- rank 0 ---" in text  # the survivor raised instead of hanging
+    # The survivor raised instead of hanging (a hang reads "ranks [0, 1] gave no result"):
+    # what it reported proves it, with no time bound that a loaded machine could break.
+    assert "--- rank 0 ---" in text
     assert "ranks [1] gave no result" in text
-    assert time.monotonic() - started < 80
 
 
 def test_diverging_rank_is_an_error_on_every_rank() -> None:
