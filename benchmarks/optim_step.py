@@ -9,6 +9,13 @@ plain tensors of the same local shapes in the same process, so the printed ratio
 
 `--foreach default` (the default) builds `torch.optim.AdamW(params, lr=1e-3)` with torch's own
 choice, which on CPU is the per-parameter path.
+
+    .venv/bin/python benchmarks/optim_step.py --impls [--params 16_000_000]
+
+prints AdamW's three implementations side by side ([Note: optimizer implementation] in
+train/optim.py): fused, foreach and the per-parameter for-loop, each on plain tensors in one
+process and one thread, and on the sharded model at 2 ranks (through the optimizer fast
+path), with each one's time over the for-loop's.
 """
 
 from __future__ import annotations
@@ -72,12 +79,63 @@ def _worker(rank: int, world: int, steps: int, foreach: bool | None,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+IMPLS = ("fused", "foreach", "for-loop")
+
+
+def _impl_times(params: list[torch.Tensor], steps: int, rounds: int) -> dict[str, float]:
+    from shardwise.train.optim import adamw
+
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opts = {i: adamw(params, impl=i, lr=1e-3)[0] for i in IMPLS}
+    for o in opts.values():
+        _time(o, 2)
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for r in range(rounds):
+        for name in IMPLS[r % 3:] + IMPLS[: r % 3]:
+            times[name].append(_time(opts[name], steps))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _impls_worker(rank: int, world: int, n_params: int, steps: int,
+                  rounds: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width = 1024
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(max(1, n_params // width**2))])
+    sw.shard_model(model, auto_wrap_policy=lambda m: isinstance(m, nn.Linear))
+    return _impl_times(list(model.parameters()), steps, rounds)
+
+
+def compare_impls(n_params: int, steps: int, rounds: int) -> None:
+    torch.set_num_threads(1)
+    width = 1024
+    plain = [torch.zeros(width, width, requires_grad=True)
+             for _ in range(max(1, n_params // width**2))]
+    one = _impl_times(plain, steps, rounds)
+    two = run_distributed(_impls_worker, 2, n_params, steps, rounds)[0]
+    n = len(plain) * width * width
+    print(f"AdamW step, {n / 1e6:.1f}M fp32 parameters, 1 thread per process, median of "
+          f"{rounds} alternating rounds of {steps} steps:")
+    print(f"  {'implementation':<16}{'plain, 1 rank':>16}{'sharded, 2 ranks':>20}"
+          f"{'plain / loop':>14}{'sharded / loop':>16}")
+    for i in IMPLS:
+        print(f"  {i:<16}{one[i] * 1e3:>13.1f} ms{two[i] * 1e3:>17.1f} ms"
+              f"{one[i] / one['for-loop']:>14.2f}{two[i] / two['for-loop']:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--foreach", choices=("default", "0", "1"), default="default")
+    ap.add_argument("--impls", action="store_true",
+                    help="fused vs foreach vs for-loop instead")
+    ap.add_argument("--params", type=int, default=16_000_000)
     a = ap.parse_args()
+    if a.impls:
+        compare_impls(a.params, a.steps, a.rounds)
+        return
     foreach = None if a.foreach == "default" else a.foreach == "1"
     t = run_distributed(_worker, 2, a.steps, foreach, a.rounds)[0]
     print(f"optimizer step (AdamW, foreach={foreach}, 2 ranks, rank 0, median of "

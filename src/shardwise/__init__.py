@@ -3,32 +3,13 @@
 from __future__ import annotations
 
 from . import _worker  # noqa: F401  (first: see its docstring)
-from .checkpoint.adapter import save_adapter
-from .checkpoint.export import export_safetensors
-from .checkpoint.manifest import CheckpointError
-from .checkpoint.pretrained import LoadResult, load_pretrained
-from .checkpoint.sharded import load_checkpoint, save_checkpoint
-from .checkpoint.state_dict import full_state_dict, load_full_state_dict
-from .engine.api.fully_shard import ShardedModule, fully_shard, shard_model
-from .engine.api.module_api import UnshardHandle, no_sync
-from .engine.api.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
-from .engine.comm.debug import CollectiveError, CollectiveMismatchError, set_debug
-from .engine.comm.distributed import init_distributed
-from .engine.core.policies import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    ShardingStrategy,
-    size_policy,
-    transformer_policy,
-)
-from .engine.ext.grad_norm import clip_grad_norm_
-from .engine.ext.materialize import materialize
-from .engine.ext.mixed_precision import ShardedGradScaler, precision_plan
-from .fsdp2_patch import patch_fsdp2, patched_fsdp2
-from .observe.overlap import OverlapReport
-from .observe.trace import Trace, trace
-from .planner import Plan, plan
 
+# [Note: lazy package] Importing any `shardwise.x` module runs this file first. It used to
+# import the whole public API (the engine, DTensor's ops, torch._dynamo through the planner:
+# 3 s on an idle 2-core machine, 27 s on a busy one), so every command paid for it, even
+# `export`, `generate` and the `train` launcher, which use little of it. The names now load
+# on first access (PEP 562: `import shardwise as sw; sw.shard_model(...)` is unchanged) from
+# _api.py, which lists them.
 __version__ = "0.1.0"
 
 __all__ = [
@@ -70,3 +51,17 @@ __all__ = [
     "trace",
     "transformer_policy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name in __all__:
+        from . import _api
+
+        value = getattr(_api, name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

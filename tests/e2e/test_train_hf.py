@@ -7,6 +7,7 @@ run, and a --resume-from --data.reset of the first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -167,15 +168,18 @@ def test_resume_refuses_other_data_and_resumes_from_a_chosen_step(ws: Path) -> N
     assert proc.returncode == 2 and "the data differs" in proc.stderr, proc.stderr
     assert "--data.reset" in proc.stderr
     assert sorted(p.name for p in (ws / "runs" / "again").rglob("*")) == before  # untouched
-    # --data.reset: step 1's weights, then a fresh phase of 2 steps on the other data.
+    # --data.reset: step 1's weights, then a fresh phase on the other data up to the run's
+    # total of 3 steps (train.steps counts from the run's first step, also with a reset).
     out = ok(shardwise_train("--name", "again", "--resume-from", "step-1", "--data.path",
-                             "other.txt", "--data.reset", "--train.steps", "2", "--nproc",
+                             "other.txt", "--data.reset", "--train.steps", "3", "--nproc",
                              "2", cwd=ws))
     assert "resumed at step 1" in out and "step-0000002 -> step-0000002.superseded" in out
     rows = read_metrics(ws / "runs" / "again" / "metrics.jsonl")
     with contextlib.chdir(ws):
         cfg = O.build(O.read_toml(ws / "runs" / "again" / "config.toml"))
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # The schedule restarted at the phase: step 2 has phase step 1's learning rate.
-    assert math.isclose(rows[1]["lr"], lr_at(1, cfg.train), rel_tol=1e-9)
-    assert cfg.data.reset is False and cfg.data.path == "other.txt"
+    # The schedule restarted at the phase, spanning its 2 steps: step 2 has the phase's
+    # step 1 learning rate.
+    phase = dataclasses.replace(cfg.train, steps=2)
+    assert math.isclose(rows[1]["lr"], lr_at(1, phase), rel_tol=1e-9)
+    assert cfg.data.reset is False and cfg.data.path == str(ws / "other.txt")

@@ -89,3 +89,35 @@ def test_export_adapter_refuses_max_shard_size(ws: Path) -> None:
     proc = shardwise("export", "runs/lora", "ad", "--adapter", "--max-shard-size", "4KB", cwd=ws)
     assert proc.returncode == 2 and "--max-shard-size does not apply" in proc.stderr
     assert not (ws / "ad").exists()
+
+
+def test_resume_works_from_another_directory(ws: Path) -> None:
+    """The run started in ws/ with relative paths (llama, text.txt); its config.toml holds
+    them absolute, so a resume from elsewhere reads the same model and data."""
+    from shardwise.train import options as O
+
+    saved = O.read_toml(ws / "runs" / "full" / "config.toml")
+    assert saved["model.hf"] == str(ws / "llama") and saved["data.path"] == str(ws / "text.txt")
+    elsewhere = ws / "elsewhere"
+    elsewhere.mkdir()
+    out = ok(shardwise_train("--out_dir", str(ws / "runs"), "--name", "full", "--resume",
+                             "--train.steps", "3", "--nproc", "1", "--threads", "1",
+                             cwd=elsewhere))
+    assert "resumed at step 2" in out, out
+    assert not (elsewhere / "runs").exists()  # the token cache stayed where it was
+
+
+def test_default_fine_tune_is_one_epoch_and_says_so(ws: Path) -> None:
+    from shardwise.train import options as O
+    from shardwise.train.metrics import read_metrics
+
+    (ws / "small.txt").write_text(corpus()[:6000])
+    out = ok(shardwise_train("--model.hf", "llama", "--data.path", "small.txt", "--name",
+                             "epoch", *COMMON, cwd=ws))
+    rows = read_metrics(ws / "runs" / "epoch" / "metrics.jsonl")
+    assert len(rows) > 3 and f"done: step {len(rows)} " in out, out
+    assert "1.00 epochs of the training data" in out, out
+    t = O.build(O.read_toml(ws / "runs" / "epoch" / "config.toml")).train
+    assert (t.lr, t.weight_decay, t.epochs, t.steps) == (2e-5, 0.0, 1.0, 0)
+    # Warm-up is 3% of the run, then the decay: the peak is lr, reached at step 1.
+    assert max(r["lr"] for r in rows) == pytest.approx(2e-5)

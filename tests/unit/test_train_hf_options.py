@@ -40,3 +40,78 @@ def test_lora_targets_match_a_tail_or_a_full_name(llama: str) -> None:
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_modules()
                if n.endswith("lora_A")}
     assert adapted == {"q_proj", "v_proj"}
+
+
+def test_data_max_bytes_is_refused_with_model_hf(llama: str, tmp_path) -> None:
+    from shardwise.commands.train import load_config
+
+    argv = ["--model.hf", llama, "--data.path", llama, "--out_dir", str(tmp_path)]
+    assert load_config(argv).model.hf == llama  # without it: fine
+    # It used to be accepted and ignored: the HF path tokenizes all of data.path.
+    with pytest.raises(ValueError, match=r"data.max_bytes=.1000.* does not apply with model.hf"):
+        load_config([*argv, "--data.max_bytes", "1000"])
+    data_help = O.help_text().split("[data] ")[1].splitlines()[0]
+    assert "model.hf" in data_help, data_help
+
+
+def test_model_hf_takes_fine_tuning_defaults_and_explicit_values_win(llama: str) -> None:
+    base = {"model.hf": llama, "data.path": llama}
+    t = O.build(base).train
+    assert (t.lr, t.weight_decay, t.beta2) == (2e-5, 0.0, 0.999)
+    assert (t.steps, t.epochs, t.warmup_steps, t.warmup_ratio) == (0, 1.0, 0, 0.03)
+    assert O.build(base).log.sample_prompt == ""
+    assert O.build({**base, "lora.rank": "4"}).train.lr == 2e-4
+    mine = O.build({**base, "train.lr": "1e-3", "train.steps": "50", "train.weight_decay": "0.1",
+                    "train.warmup_steps": "5"}).train
+    assert (mine.lr, mine.steps, mine.epochs, mine.weight_decay) == (1e-3, 50, 0.0, 0.1)
+    assert (mine.warmup_steps, mine.warmup_ratio) == (5, 0.0)
+    gpt = O.build({}).train  # the built-in GPT keeps its pretraining defaults
+    assert (gpt.lr, gpt.steps, gpt.epochs, gpt.weight_decay) == (3e-3, 1000, 0.0, 0.1)
+    assert O.build({"train.epochs": "2"}).train.steps == 0
+    with pytest.raises(ValueError, match="give one of them"):
+        O.build({"train.epochs": "2", "train.steps": "10"})
+
+
+def test_a_resume_that_gives_the_other_length_drops_the_saved_one(llama: str) -> None:
+    from shardwise.train.finetune import resumed_values
+
+    saved = O.to_flat(O.build({"model.hf": llama, "data.path": llama}))
+    cfg = O.build({**resumed_values(saved, {"train.steps": "7"}), "train.steps": "7"})
+    assert (cfg.train.steps, cfg.train.epochs) == (7, 0.0)
+
+
+def test_relative_paths_are_stored_absolute(llama: str, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    shutil.copytree(llama, tmp_path / "m")
+    (tmp_path / "d.txt").write_text("hello")
+    monkeypatch.chdir(tmp_path)
+    cfg = O.build({"model.hf": "m", "data.path": "d.txt", "data.cache_dir": "cache"})
+    assert cfg.model.hf == str(tmp_path / "m") and cfg.data.path == str(tmp_path / "d.txt")
+    assert cfg.data.cache_dir == str(tmp_path / "cache")
+    assert f'path = "{tmp_path / "d.txt"}"' in O.dumps_toml(cfg)
+
+
+def test_without_transformers_the_user_gets_one_line_with_the_install_command(
+        llama: str, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    # A sitecustomize on PYTHONPATH blocks the imports in this process and any it starts.
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['transformers'] = None\nsys.modules['peft'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(block), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    (tmp_path / "d.txt").write_text("hello world " * 200)
+    for args in (["train", "--model.hf", llama, "--data.path", "d.txt", "--nproc", "1",
+                  "--train.steps", "1"],
+                 ["generate", llama, "--prompt", "hi"]):
+        proc = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+        assert len(errors) == 1 and "pip install 'shardwise[hf]'" in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr

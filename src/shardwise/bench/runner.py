@@ -119,10 +119,13 @@ def _one_system(name: str, bc: BenchConfig, rank: int, seed: int) -> dict:
     state = model_state_bytes(model, opt)
     peak = _rss_peak()
     copied = _copied_per_step(model, bc.steps + 1)
+    from ..train.optim import implementation
+
+    impl = implementation(opt)
     del model, opt, loss
     gc.collect()
     out = {"times": times, "peak_rss": peak, "rss_growth": peak - base,
-           "model_state_bytes": state, "params": n_params, "copied": copied}
+           "model_state_bytes": state, "params": n_params, "copied": copied, "optimizer": impl}
     if device.type == "cuda":
         out["peak_gpu"] = torch.cuda.max_memory_allocated(device)
     return out
@@ -178,6 +181,7 @@ def bench_worker(bc: BenchConfig) -> dict:
             out["model_state_bytes"] = res["model_state_bytes"]
             out["params"] = res["params"]
             out["copied"] = res["copied"]
+            out["optimizer"] = res["optimizer"]
             if "peak_gpu" in res:
                 out["peak_gpu"] = max(out.get("peak_gpu", 0), res["peak_gpu"])
     for out in results.values():

@@ -23,20 +23,18 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..engine.core.checks import check_module, check_path
-from ..engine.ext.model_group import model_group
 from . import atomic
 from .manifest import CheckpointError, model_name, read_manifest
 from .reader import RowReader, check_size, verify_file
 from .safetensors_io import Entry, StreamWriter, fsync_dir, write_text
-from .sharded import PathLike
-from .slots import model_view, writes_shards
-from .state_dict import gather_full
-from .sync import agreed, as_error
+
+if TYPE_CHECKING:
+    from .sharded import PathLike
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
 SINGLE = "model.safetensors"
@@ -169,6 +167,14 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     """
     writer: ConsolidatedWriter | None = None
     names: list[str] = []
+    # Here, not at the top: the offline `export_checkpoint` (`shardwise export`) needs none
+    # of the engine, whose import is most of that command's time.
+    from ..engine.core.checks import check_module, check_path
+    from ..engine.ext.model_group import model_group
+    from .slots import model_view, writes_shards
+    from .state_dict import gather_full
+    from .sync import agreed, as_error
+
     group = model_group(model)
     # The checks raise no OSError: only the writer's is converted.
     with agreed(as_error, group=group):

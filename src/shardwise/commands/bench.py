@@ -40,6 +40,7 @@ def summarize(per_rank: list[dict], bc: BenchConfig) -> dict:
             "model_state_bytes_per_rank": max(r["model_state_bytes"] for r in rs),
             "params": rs[0]["params"],
             "copied_bytes_per_step": rs[0].get("copied", {}),
+            "optimizer": rs[0].get("optimizer", "?"),
         }
         if "peak_gpu" in rs[0]:
             rows[name]["peak_gpu_bytes"] = max(r["peak_gpu"] for r in rs)
@@ -83,6 +84,12 @@ def print_table(summary: dict) -> None:
                   f"{r['model_state_bytes_per_rank'] / MB:>10.1f}"
                   f"{r.get('step_time_vs_shardwise', float('nan')):>11.2f}"
                   f"{r.get('peak_rss_vs_shardwise', float('nan')):>10.2f}")
+    impls: dict[str, list[str]] = {}
+    for name, r in rows.items():
+        impls.setdefault(r.get("optimizer", "?"), []).append(name)
+    print("optimizer: torch.optim.AdamW, " + "; ".join(
+        f"{impl}" + ("" if len(impls) == 1 else f" ({', '.join(names)})")
+        for impl, names in impls.items()) + (" for every system" if len(impls) == 1 else ""))
     bound = summary.get("same_bytes_bound_s")
     ref, fsdp2 = rows.get(REFERENCE), rows.get("torch FSDP2")
     if bound and ref:

@@ -27,6 +27,9 @@ def _load(folder: str):  # -> (logits fn, codec, block size)
     if os.path.isfile(os.path.join(folder, GPT_SHAPE)):
         gpt = load_gpt(folder)
         return (lambda x: gpt(x)), ByteCodec(), gpt.cfg.block_size
+    from shardwise.train.hf_deps import require
+
+    require(f"a Hugging Face folder ({folder!r})", "transformers")
     from transformers import AutoModelForCausalLM
 
     from shardwise.train.hf_folder import has_tokenizer, max_positions

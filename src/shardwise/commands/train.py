@@ -25,6 +25,7 @@ from typing import Any
 from ..train import config as C
 from ..train import options as O
 from ..train import rundir
+from ..train.finetune import check_given, resumed_values
 from ._args import report
 from .train_console import ConsoleReporter
 
@@ -47,8 +48,9 @@ def load_config(argv: list[str]) -> C.Config:
         if "train.min_lr" in saved:  # written before min_lr became a fraction of lr
             lr = float(saved.get("train.lr", C.TrainSection.lr))
             saved["train.min_lr_ratio"] = float(saved.pop("train.min_lr")) / lr
-        cfg = O.build({**saved, **merged, "name": cfg.name})
+        cfg = O.build({**resumed_values(saved, merged), **merged, "name": cfg.name})
         rundir.check_resume(cfg)
+    check_given(cfg.model.hf, merged)
     return cfg
 
 
@@ -67,7 +69,8 @@ def schedule_note(cfg: C.Config) -> str | None:
     saved = Path(cfg.out_dir).expanduser() / cfg.name / "config.toml"
     old_steps = O.read_toml(saved).get("train.steps") if saved.exists() else None
     t = cfg.train
-    if old_steps is None or int(old_steps) == t.steps or t.schedule == "constant":
+    if old_steps is None or int(old_steps) == t.steps or t.schedule == "constant" \
+            or not t.steps or not int(old_steps):  # a length in epochs: decided by the data
         return None
     import dataclasses
 
@@ -76,6 +79,10 @@ def schedule_note(cfg: C.Config) -> str | None:
     if cfg.data.reset:
         return None
     start = rundir.chosen(Path(cfg.out_dir).expanduser() / cfg.name, cfg.resume_from)[0]
+    from ..train.finetune import warmup
+
+    t = dataclasses.replace(t, warmup_ratio=0.0,
+                            warmup_steps=warmup(t.warmup_steps, t.warmup_ratio, t.steps))
     old = dataclasses.replace(t, steps=int(old_steps))
     return (f"train.steps {old_steps} -> {t.steps} on resume: the {t.schedule} decay is "
             f"stretched over {t.steps} steps, so the lr of step {start + 1} goes from "
@@ -127,9 +134,12 @@ def worker(cfg: C.Config) -> dict[str, Any]:
 
 def expected_errors() -> dict[type[BaseException], int]:
     """Errors raised on purpose -> exit status: one line, no traceback."""
-    import shardwise as sw
+    # From their modules, not `shardwise.X`: the launcher process needs none of the rest of
+    # the public API ([Note: lazy package] in shardwise/__init__.py).
+    from ..checkpoint.manifest import CheckpointError
+    from ..engine.comm.debug import CollectiveError
 
-    return {ValueError: 2, sw.CheckpointError: 2, sw.CollectiveError: 1}
+    return {ValueError: 2, CheckpointError: 2, CollectiveError: 1}
 
 
 def default_nproc() -> int:
@@ -154,7 +164,8 @@ def stopped_line(cfg: C.Config, run: Path, argv: list[str] | tuple[str, ...] = (
     step, found = rundir.last_step(run), rundir.checkpoints(run)
     if step == 0 and not found:
         return "interrupted before the first step; nothing was saved"
-    head = f"interrupted after step {step} of {cfg.train.steps}"
+    head = (f"interrupted after step {step} of {cfg.train.steps}" if cfg.train.steps else
+            f"interrupted after step {step} ({cfg.train.epochs:g} epochs)")
     prog = _program()
     if found:
         # The saved config.toml may still hold the old train.steps (a resume interrupted

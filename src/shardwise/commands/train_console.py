@@ -145,8 +145,10 @@ class ConsoleReporter:
             self.bar.close()
         unsharded = [p - st + s["unsharded_state_mb"]
                      for p, st in zip(s["peak_memory_mb"], s["state_mb"])]
+        seen = s.get("epochs")
+        epochs = f", {seen:.2f} epochs of the training data" if seen is not None else ""
         print(f"\ndone: step {s['steps']} ({s['steps'] - s['start_step']} steps in "
-              f"{s['wall_s']:.0f} s on {s['world']} ranks)")
+              f"{s['wall_s']:.0f} s on {s['world']} ranks{epochs})")
         print(f"  final train loss {s['final_loss']:.4f} (mean of last 10: "
               f"{s['final_loss_avg10']:.4f}), val loss {s['final_val_loss']:.4f}")
         if s.get("best"):

@@ -56,8 +56,10 @@ class ModelSection:
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
         _choice("model", "dtype", self.dtype, DTYPES)
         if self.hf:
+            from .hf_deps import require
             from .hf_folder import check_folder
 
+            require(f"model.hf={self.hf!r}", "transformers")
             self.hf = str(Path(self.hf).expanduser().resolve())
             check_folder(self.hf)
             for k in ("n_layer", "d_model", "n_head"):
@@ -88,16 +90,19 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    """Training text, read as bytes (vocabulary 256).
+    """Training data: text read as bytes (vocabulary 256) for the built-in GPT; with model.hf,
+    text, prompt/completion or chat records tokenized by the model's own tokenizer.
 
-    path: a text file or a folder of them (read recursively, sorted);
-        "" = the Python standard library's .py sources.
-    max_bytes: read at most this many bytes of text (a deterministic subset of the files).
+    path: a text file or a folder of them (read recursively, sorted); with model.hf also
+        JSONL records (docs/training.md). Stored absolute in the run's config.toml.
+        "" = the Python standard library's .py sources (the built-in GPT only).
+    max_bytes: the built-in GPT: read at most this many bytes of text (a deterministic subset
+        of the files). Refused with model.hf, which tokenizes all of data.path.
     val_fraction: the last part of the (deterministically shuffled) text held out for validation.
     seed: seed of the file order and of each epoch's sequence order.
     reset: with --resume / --resume-from when the data, tokenizer or model differ from the
         run's: keep the checkpoint's weights but start a fresh data position, learning-rate
-        schedule and optimizer state (train.steps more steps); without it such a resume is
+        schedule and optimizer state (up to train.steps in all); without it such a resume is
         refused.
     cache_dir: with model.hf: where tokenized data is cached, keyed by (data, tokenizer)
         ("": <out_dir>/token-cache).
@@ -126,21 +131,29 @@ class DataSection:
         if self.mix:
             from .hf_inputs import parse_mix
 
-            parse_mix(self.mix)
+            # Absolute, as data.path below.
+            self.mix = ",".join(f"{Path(p).expanduser().resolve()}:{w!r}"
+                                for p, w in parse_mix(self.mix))
         _check(not self.eval_path or Path(self.eval_path).expanduser().exists(),
                f"data.eval_path={self.eval_path!r} does not exist (give a file, a folder or "
                "a saved dataset)")
+        if self.eval_path:
+            self.eval_path = str(Path(self.eval_path).expanduser().resolve())
         _positive("data", self, "max_bytes")
         _check(0.0 < self.val_fraction < 0.5,
                f"data.val_fraction={self.val_fraction!r} must be in (0, 0.5)")
         if self.path:
             _check(Path(self.path).expanduser().exists(),
                    f"data.path={self.path!r} does not exist (give a text file or a folder)")
+            # Absolute, so that a --resume from another directory reads the same data.
+            self.path = str(Path(self.path).expanduser().resolve())
 
         c = Path(self.cache_dir).expanduser()
         _check(not self.cache_dir or c.is_dir() or not c.exists(),
                f"data.cache_dir={self.cache_dir!r} is not allowed: it is a file (give a "
                "folder, or a path where one can be made)")
+        if self.cache_dir:
+            self.cache_dir = str(c.resolve())
 
     def cache(self, out_dir: str = "runs") -> str:
         return self.cache_dir or str(Path(out_dir).expanduser() / "token-cache")
@@ -150,7 +163,10 @@ class DataSection:
 class TrainSection:
     """The optimization.
 
-    steps: optimizer steps to train for (the total, including steps before a resume).
+    steps: optimizer steps to train for: the run's total, counted from its first step, also
+        on --resume and with --data.reset (0: from train.epochs).
+    epochs: passes over the training split to train for instead of train.steps (0: use
+        train.steps); with --data.reset, passes over the new data after the resumed step.
     batch_size: sequences per rank per micro-batch.
     grad_accum: micro-batches per optimizer step (gradients accumulate locally,
         without communication).
@@ -158,6 +174,8 @@ class TrainSection:
     min_lr_ratio: learning rate at the end of the schedule, as a fraction of lr (0.1: decay
         to lr / 10; 0: to zero), so that it follows any --train.lr.
     warmup_steps: steps of linear warm-up from 0 to lr.
+    warmup_ratio: warm-up as a fraction of the run's steps, instead of warmup_steps (0: use
+        warmup_steps).
     schedule: decay after warm-up: cosine, linear or constant.
     weight_decay: AdamW decoupled weight decay on matrices (not on norms).
     beta1: AdamW beta1.
@@ -176,11 +194,13 @@ class TrainSection:
     """
 
     steps: int = 1000
+    epochs: float = 0.0
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    warmup_ratio: float = 0.0
     schedule: str = "cosine"
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -196,9 +216,17 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         _typed("train", self)
-        _positive("train", self, "steps", "batch_size", "grad_accum", "lr", "eval_batches")
-        _positive("train", self, "warmup_steps", "weight_decay", "grad_clip",
+        _positive("train", self, "batch_size", "grad_accum", "lr", "eval_batches")
+        _positive("train", self, "steps", "epochs", "warmup_steps", "weight_decay", "grad_clip",
                   "eval_interval", "max_skipped_steps", zero_ok=True)
+        _check((self.steps > 0) != (self.epochs > 0),
+               f"train.steps={self.steps} and train.epochs={self.epochs}: give one of them "
+               "(the run's length in optimizer steps, or in passes over the training data)")
+        _check(0.0 <= self.warmup_ratio < 1.0,
+               f"train.warmup_ratio={self.warmup_ratio!r} must be in [0, 1)")
+        _check(not (self.warmup_steps and self.warmup_ratio),
+               f"train.warmup_steps={self.warmup_steps} and train.warmup_ratio="
+               f"{self.warmup_ratio}: give one of them")
         _choice("train", "schedule", self.schedule, SCHEDULES)
         _choice("train", "on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         _check(0.0 <= self.min_lr_ratio <= 1.0,
@@ -308,7 +336,8 @@ class LogSection:
     event_steps: record the engine's events (events-rank{r}.jsonl) for the first this many
         steps (-1: all, 0: none).
     sample_tokens: bytes of text to sample from the trained model at the end (0: none).
-    sample_prompt: the text the sample starts from.
+    sample_prompt: the text the sample starts from ("": with model.hf, the start of the
+        validation split).
     trace_steps: with --trace: how many steps to trace (traces grow with every step).
     trace_after: with --trace: steps to run before tracing starts (the first step pays for
         lazy initialization and records the prefetch order).
@@ -334,7 +363,6 @@ class LogSection:
         _positive("log", self, "peak_tflops", zero_ok=True)
         _check(self.event_steps >= -1, f"log.event_steps={self.event_steps!r} must be >= -1")
         _positive("log", self, "sample_tokens", zero_ok=True)
-        _check(len(self.sample_prompt.encode()) > 0, "log.sample_prompt must not be empty")
         _positive("log", self, "trace_steps")
         _positive("log", self, "trace_after", zero_ok=True)
 
@@ -351,7 +379,8 @@ class Config:
     resume_from: continue the run folder from this checkpoint (step-N, or N); implies resume.
         Later checkpoints are kept until the run saves over them.
     overwrite: delete an existing run folder of the same name first.
-    threads: torch CPU threads per rank (0 = CPU cores / local ranks, at least 1).
+    threads: torch CPU threads per rank (0 = the cores this process may use, less those
+        other processes keep busy, divided by the local ranks; at least 1).
     trace: write a Chrome/Perfetto trace of log.trace_steps steps into the run folder's
         trace/ and print the overlap report (exposed communication per step).
     max_restarts: with --nproc, restart all workers up to this many times after one fails;
@@ -401,6 +430,10 @@ class Config:
                    "folder, or a saved dataset (text, prompt/completion or chat messages)")
             _check(tp == 1, f"parallel.tp={tp} is not supported with model.hf (the TP plan is "
                    "the built-in GPT's); use tp=1")
+            if self.lora.rank:
+                from .hf_deps import require
+
+                require(f"lora.rank={self.lora.rank}", "peft")
         else:
             _check(self.lora.rank == 0, f"lora.rank={self.lora.rank} needs model.hf: LoRA "
                    "adapts a Hugging Face model's linear layers (the built-in GPT has none)")
@@ -409,6 +442,8 @@ class Config:
                               ("packing", not d.packing)):
                 _check(not bad, f"data.{name}={getattr(d, name)!r} needs model.hf (the "
                        "built-in GPT reads byte text from data.path)")
+            _check(bool(self.log.sample_prompt), "log.sample_prompt must not be empty (the "
+                   "built-in GPT samples from a prompt)")
         if tp > 1:
             from .tensor_parallel import check_tp
 

@@ -91,7 +91,12 @@ def all_keys() -> list[str]:
 
 
 def build(values: dict[str, Any]) -> Config:
-    """A validated Config from flat dotted keys (`train.lr`, `name`) -> raw values."""
+    """A validated Config from flat dotted keys (`train.lr`, `name`) -> raw values. Keys not
+    given take the dataclass defaults, or those that what was given implies (a `model.hf`
+    run's fine-tuning defaults: [Note: fine-tuning defaults] in finetune.py)."""
+    from .finetune import implied_defaults
+
+    values = {**implied_defaults(values), **values}
     known = all_keys()
     top_types = _section_types(Config)
     nested: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}

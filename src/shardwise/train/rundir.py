@@ -290,8 +290,10 @@ def check_resume(cfg: Config) -> None:
                 "position, schedule and optimizer state to something else. Pass --data.reset "
                 "to keep its weights and start a fresh data position, schedule and optimizer, "
                 "or resume with the run's own data, tokenizer and model")
-    end = (step if cfg.data.reset else int(extra.get("phase", 0))) + cfg.train.steps
-    if step >= end:
+    # train.steps is the run's total ([Note: run length] in finetune.py); a length in
+    # epochs depends on the data, so the trainer checks it once the data is read.
+    end = cfg.train.steps
+    if end and step >= end:
         raise ValueError(f"the checkpoint is at step {step}; train.steps={cfg.train.steps} "
                          "leaves nothing to do (raise --train.steps to train further)")
 

@@ -28,6 +28,7 @@ from ..engine.comm import collectives as Cm
 from ..engine.core.dtensor import local_of
 from ..observe.sinks import set_step
 from . import data as D
+from . import finetune as FT
 from . import rundir
 from .best import BestKeeper
 from .build import Built, build, build_gpt
@@ -89,14 +90,10 @@ def lr_at(step: int, t: TrainSection) -> float:
 
 
 def threads_per_rank(cfg: Config) -> int:
-    if cfg.threads:
-        return cfg.threads
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // max(1, local))
+    """--threads, or this rank's share of the free cores ([Note: threads per rank])."""
+    from .threads import threads_per_rank as choose
+
+    return choose(cfg.threads)
 
 
 def _shared_run_dir(cfg: Config, rank: int) -> tuple[Path, bool, list[str]]:
@@ -141,7 +138,11 @@ def _optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    # The fastest correct implementation: fused where torch accepts it ([Note: optimizer
+    # implementation] in optim.py).
+    from .optim import adamw
+
+    return adamw(groups, lr=t.lr, betas=(t.beta1, t.beta2))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,11 +216,20 @@ class Trainer:
                 self.run_dir, self.model, self.opt, self.stream, self.scaler,
                 step=rundir.step_of(cfg.resume_from), reset=cfg.data.reset,
                 trainable_only=bool(cfg.lora.rank), keys=self.keys, name=cfg.name)
-        self.end = self.phase + t.steps
+        # [Note: run length] in finetune.py: train.steps is the run's total; train.epochs
+        # counts passes over this phase's data. The schedule spans the phase.
+        self.windows = len(self.stream.windows)
+        self.end = FT.run_end(t.steps, t.epochs, self.phase,
+                              FT.steps_per_epoch(self.windows, self.stream.global_batch))
+        span = self.end - self.phase
+        self.schedule = dataclasses.replace(  # what lr_at reads, resolved in steps
+            t, steps=span, epochs=0.0, warmup_ratio=0.0,
+            warmup_steps=FT.warmup(t.warmup_steps, t.warmup_ratio, span))
         # A restart after the last step (a crash at teardown) has nothing left to do.
         if self.start >= self.end and not rundir.is_restart():
-            raise ValueError(f"the checkpoint is at step {self.start}; train.steps={t.steps} "
-                             "leaves nothing to do (raise --train.steps to train further)")
+            length = f"train.steps={t.steps}" if t.steps else f"train.epochs={t.epochs:g}"
+            raise ValueError(f"the checkpoint is at step {self.start}; {length} (step "
+                             f"{self.end}) leaves nothing to do (raise it to train further)")
         self.n_params, self.n_trainable = self.built.n_params, self.built.n_trainable
         self.local_params = sum(local_of(p).numel() for p in self.model.parameters())
         self.tokens_per_step = t.batch_size * seq * t.grad_accum * self.dp_world
@@ -257,7 +267,7 @@ class Trainer:
         """Forward and backward over grad_accum micro-batches, clip, and apply the step unless
         the non-finite guard says otherwise."""
         t, model, opt, scaler = self.cfg.train, self.model, self.opt, self.scaler
-        lr = lr_at(step - self.phase, t)
+        lr = lr_at(step - self.phase, self.schedule)
         for g in opt.param_groups:
             g["lr"] = lr
         set_step(model, step)
@@ -360,7 +370,8 @@ class Trainer:
         # training step did (measured under bf16: 846 MiB sampling vs 460 MiB training), and
         # the peak resident set size only ever grows.
         train_peak = peak_memory_mb(self.device)
-        sample = _sample(self.built, self.cfg, self.device)
+        sample = _sample(self.built, self.cfg, self.device,
+                         getattr(self.parts.val, "tokens", None))
         self.events.stop()
         if self.rank == 0 and sample:
             (self.run_dir / "sample.txt").write_text(sample)
@@ -372,6 +383,8 @@ class Trainer:
         tail = self.losses[-10:] or [math.nan]  # every step of this invocation may be skipped
         summary = {
             "run_dir": str(self.run_dir), "steps": self.end,
+            "epochs": FT.epochs_seen(self.stream.epoch, self.stream.index, self.windows,
+                                     self.stream.global_batch),
             "start_step": self.start, "world": self.world, "params": self.n_params,
             "final_loss": tail[-1], "final_loss_avg10": sum(tail) / len(tail),
             "final_val_loss": self.val_loss,
@@ -405,14 +418,18 @@ def run(cfg: Config, reporter: Reporter | None = None,
     return trainer.finish()
 
 
-def _sample(built: Built, cfg: Config, device: torch.device) -> str:
-    """Text from the trained model; every rank samples in lockstep (each forward is collective)."""
+def _sample(built: Built, cfg: Config, device: torch.device, val_tokens: Any = None) -> str:
+    """Text from the trained model; every rank samples in lockstep (each forward is collective).
+    An empty log.sample_prompt (model.hf) starts from the validation split's first tokens."""
     if cfg.log.sample_tokens <= 0:
         return ""
     codec = HFCodec(cfg.model.hf) if cfg.model.hf else ByteCodec()
+    prompt = cfg.log.sample_prompt
+    if not prompt and val_tokens is not None:
+        prompt = codec.decode([int(i) for i in val_tokens[:8]])
     built.model.eval()
     try:
-        return sample_text(built.logits, codec, cfg.log.sample_prompt, cfg.log.sample_tokens,
+        return sample_text(built.logits, codec, prompt, cfg.log.sample_tokens,
                            cfg.model.seq_len(), cfg.train.seed, device)
     finally:
         built.model.train()

@@ -1,0 +1,122 @@
+"""Each command's fixed cost: what a user waits for besides the work itself.
+
+- `train`: seconds from the command's start to its first step's console line (a tiny run:
+  the built-in GPT 'tiny', and a tiny Llama with --model.hf), at --nproc 1;
+- `export` and `generate`: the whole command, on a tiny run's checkpoint / export.
+
+Every command runs as a user runs it (a fresh `python -m shardwise.cli` process). With
+`--before SRC` each measurement alternates between that source tree (PYTHONPATH=SRC, e.g. a
+`git archive` of an older commit's src/) and this checkout, round by round, and prints the
+medians side by side with their ratio: the machine is shared and noisy, the ratio less so.
+
+    .venv/bin/python benchmarks/fixed_cost.py [--rounds 3] [--before /tmp/base/src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ["--train.steps", "1", "--nproc", "1", "--threads", "1", "--log.sample_tokens", "0",
+         "--train.eval_batches", "1", "--log.event_steps", "0", "--overwrite"]
+
+
+def _env(src: str | None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if src:
+        env["PYTHONPATH"] = os.pathsep.join([src, str(ROOT)])
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return env
+
+
+def _cli(args: list[str], cwd: Path, src: str | None, until: str | None = None) -> float:
+    """Seconds until the command ends, or until a stdout line starts with `until`."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", *args], cwd=cwd,
+                            env=_env(src), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if until and seen is None and line.lstrip().startswith(until):
+            seen = time.perf_counter() - t0
+    err = proc.stderr.read() if proc.stderr else ""
+    if proc.wait() != 0:
+        raise RuntimeError(f"{args} failed ({proc.returncode}):\n{err}")
+    return seen if seen is not None else time.perf_counter() - t0
+
+
+def _workspace(tmp: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.hf_models import save_tiny
+    from tests.hf_tokenizer import VOCAB_SIZE, corpus, save_tokenizer
+
+    save_tiny("llama", tmp / "llama", vocab_size=VOCAB_SIZE, max_position_embeddings=64)
+    save_tokenizer(tmp / "llama")
+    (tmp / "text.txt").write_text(corpus()[:20000])
+
+
+def _cases(tmp: Path) -> dict[str, tuple[list[str], str | None]]:
+    hf = ["--model.hf", "llama", "--data.path", "text.txt", "--model.block_size", "16",
+          "--train.batch_size", "2"]
+    return {
+        "train (GPT tiny), to step 1": (
+            ["train", "--name", "gpt", "--model.preset", "tiny", "--data.max_bytes", "200000",
+             *TRAIN], "step     1"),
+        "train (--model.hf), to step 1": (["train", "--name", "hf", *hf, *TRAIN], "step     1"),
+        "export (GPT tiny)": (["export", "runs/gpt", "gpt-out", "--force"], None),
+        "export --hf": (["export", "runs/hf", "hf-out", "--hf", "--force"], None),
+        "generate (GPT export)": (["generate", "gpt-out", "--prompt", "def ",
+                                   "--max-new-tokens", "8"], None),
+        "generate (HF export)": (["generate", "hf-out", "--prompt", "def ",
+                                  "--max-new-tokens", "8"], None),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", default="", help="another src/ tree to compare with")
+    a = ap.parse_args()
+    trees = {"before": a.before, "after": None} if a.before else {"this": None}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        _workspace(tmp)
+        times: dict[str, dict[str, list[float]]] = {}
+        for r in range(a.rounds):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for name, (args, until) in _cases(tmp).items():
+                for tree in order:
+                    if tree == "before" and args[0] == "export" and "--force" in args:
+                        # an older export --hf refuses --force: start from a clean folder
+                        import shutil
+
+                        shutil.rmtree(tmp / args[2], ignore_errors=True)
+                        args = [x for x in args if x != "--force"]
+                    t = _cli(args, tmp, trees[tree], until)
+                    times.setdefault(name, {}).setdefault(tree, []).append(t)
+                    print(f"round {r + 1}: {name} [{tree}] {t:.1f} s", file=sys.stderr,
+                          flush=True)
+    cols = list(trees)
+    print(f"\nfixed cost per command, seconds (median of {a.rounds} alternating rounds; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end):")
+    head = f"  {'command':<32}" + "".join(f"{c:>10}" for c in cols)
+    print(head + (f"{'after / before':>16}" if a.before else ""))
+    for name, per in times.items():
+        med = {c: statistics.median(per[c]) for c in cols}
+        line = f"  {name:<32}" + "".join(f"{med[c]:>10.1f}" for c in cols)
+        if a.before:
+            line += f"{med['after'] / med['before']:>16.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
