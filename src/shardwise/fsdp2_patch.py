@@ -8,13 +8,17 @@ rank before the framework's parallelize function, switches it::
     sw.patch_fsdp2()                   # or: with sw.patched_fsdp2(): parallelize(model)
 
 It puts shardwise's `fully_shard` (and `register_fsdp_forward_method`, `share_comm_ctx`)
-where FSDP2's were: in `torch.distributed.fsdp` and its
-aliases, and in every module already imported that bound FSDP2's function by name
-(torchtitan's `from torch.distributed.fsdp import fully_shard`); modules imported later get
-them through torch's. Nothing else moves: the classes stay torch's own, since a sharded module
-is an `FSDPModule` (frameworks find FSDP by that `isinstance`) and `fully_shard` takes torch's
-`MixedPrecisionPolicy` / `CPUOffloadPolicy` / `OffloadPolicy`. torch's own internals keep
-FSDP2's function, so FSDP2 still works on the modules it shards.
+where FSDP2's were: in every torch namespace that exports them (`_TORCH_HOMES`), and in every
+module already imported that bound FSDP2's function as a global, under any name (torchtune's
+and torchtitan's `from torch.distributed._composable.fsdp import fully_shard`, made at their
+import, before the patch); modules imported later get them through torch's. So the patch
+may come before or after the framework's imports. Nothing else moves: the classes stay
+torch's own, since a sharded module is an `FSDPModule` (frameworks find FSDP by that
+`isinstance`) and `fully_shard` takes torch's `MixedPrecisionPolicy` / `CPUOffloadPolicy` /
+`OffloadPolicy`. FSDP2 still works while patched, on the modules it shards: its own
+`fully_shard` reads its state through its module's global, which is then shardwise's, and
+shardwise's `fully_shard.state` answers with FSDP2's state for a module FSDP2 sharded.
+torch's other internals (pipelining's stage code) keep FSDP2's function.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ import torch.distributed.fsdp as _torch_fsdp
 from .engine.api.fully_shard import fully_shard
 from .engine.api.state import register_fsdp_forward_method, share_comm_ctx
 
-# Where torch itself exports the name: the public module and its older aliases.
-_TORCH_HOMES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp",
-                "torch.distributed.fsdp._fully_shard")
+# Every torch namespace that exports the names (torch 2.13): the public module, the package
+# and module that define them, and the older `_composable` paths kept for compatibility.
+_TORCH_HOMES = ("torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
+                "torch.distributed.fsdp._fully_shard._fully_shard",
+                "torch.distributed._composable.fsdp",
+                "torch.distributed._composable.fsdp.fully_shard")
 
 # FSDP2's own functions -> shardwise's, taken at import (before any patch) so undo can
 # restore them. The three act on sharded modules, so they switch together.
@@ -49,8 +56,8 @@ def _bindings() -> Iterator[tuple[Any, str, Any, Any]]:
     of FSDP2's functions."""
     for mod in list(sys.modules.values()):
         name = getattr(mod, "__name__", "")
-        # FSDP2's FSDPModule methods call fully_shard.state() through their own module's
-        # global: torch's internals keep FSDP2's function, only its public homes switch.
+        # torch's internals other than the homes keep FSDP2's function: they use it on
+        # modules FSDP2 sharded (pipelining's stage reads FSDP2's state through it).
         if mod is None or name.startswith("shardwise") or (
                 name.startswith("torch.") and name not in _TORCH_HOMES):
             continue
@@ -69,14 +76,19 @@ def _import_homes() -> None:
     library) so that their bindings can be swapped."""
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.fsdp._fully_shard  # noqa: F401
+    import torch.distributed.fsdp._fully_shard._fully_shard  # noqa: F401
 
-    with contextlib.suppress(ImportError):  # an older alias, gone in some releases
+    with contextlib.suppress(ImportError):  # older aliases, gone in some releases
         import torch.distributed._composable.fsdp  # noqa: F401
+        import torch.distributed._composable.fsdp.fully_shard  # noqa: F401
 
 
 def patch_fsdp2() -> Callable[[], None]:
     """Make FSDP2's `fully_shard`, `register_fsdp_forward_method` and `share_comm_ctx` be
-    shardwise's everywhere they are bound; return the undo."""
+    shardwise's everywhere they are bound as module globals; return the undo, which puts
+    FSDP2's back in exactly the places this call changed (a module imported while patched
+    keeps the shardwise function it bound). References held elsewhere (a closure, a default
+    argument, a `functools.partial`, a dict) are not reached."""
     _import_homes()
     swapped = list(_bindings())
     for mod, attr, _, ours in swapped:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as _fsdp2_fully_shard
 
 from ..core import dtensor as DT
 from ..core.buffers import BufferPool
@@ -31,7 +32,7 @@ from ..core.unit import Unit
 from .misuse import watch_optimizers
 from .module_api import FSDP2Methods, check_reshard_after_forward
 from .sd_hooks import install_state_dict_hooks
-from .state import ShardwiseState, state_of
+from .state import state_of
 from .wrap import assign_params, wrap_targets
 
 
@@ -154,8 +155,14 @@ def fully_shard(
     return module
 
 
-def _state(module: nn.Module) -> ShardwiseState | None:
-    """`fully_shard.state(module)`, as in FSDP2 (engine/state.py)."""
+def _state(module: nn.Module) -> Any:
+    """`fully_shard.state(module)`, as in FSDP2 (engine/state.py): the state of the
+    `fully_shard` call made on `module` itself, None for a module that was not given to it
+    (an unsharded CheckpointWrapper around a sharded layer, too). A module FSDP2 sharded
+    answers with FSDP2's state: while `patch_fsdp2()` is on, FSDP2's own `fully_shard` finds
+    its state through this name (fsdp2_patch.py)."""
+    if own_unit(module) is None:
+        return _fsdp2_fully_shard.state(module)  # type: ignore[attr-defined]
     return state_of(module)
 
 
@@ -203,9 +210,20 @@ def _validate_modules(module: object) -> list[nn.Module]:
                 f"fully_shard got a {type(m).__name__}, which has no forward of its own, so "
                 "its hooks would never run; shard each of its modules instead"
             )
-        if getattr(m, "_sw_unit", None) is not None:
+        if own_unit(m) is not None:
             raise ValueError(f"{type(m).__name__} is already sharded")
     return modules
+
+
+def own_unit(module: nn.Module) -> Unit | None:
+    """The unit fully_shard made on `module` itself, read from its own `__dict__`.
+
+    Not `getattr`: a wrapper that forwards unknown attributes to the module it wraps
+    (torch's CheckpointWrapper, Accelerate's and torchtitan's activation checkpointing)
+    would answer with the inner module's unit, and the wrapper would look sharded when only
+    its inner layer is. FSDP2 keeps its state in `module.__dict__` for the same reason.
+    """
+    return vars(module).get("_sw_unit")
 
 
 def _validate(modules: list[nn.Module], reshard_after_forward: object, mp_policy: object,
@@ -393,7 +411,7 @@ def shard_model(
     # unit takes a tied parameter that a parent would then have to re-home.
     owned = {spec.name: set(spec.ids) for spec in assign_params(model, targets, ignored)}
     for name, m in [*targets, ("", model)]:
-        if getattr(m, "_sw_unit", None) is not None:
+        if own_unit(m) is not None:
             raise ValueError(f"{name or type(m).__name__!r} is already sharded")
         _shard(m, info, reshard, mp, offload, ignored, owned[name], tp)
     return model
