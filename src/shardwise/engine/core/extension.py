@@ -13,7 +13,8 @@ exactly as FSDP2 calls them:
   rank of an uneven split); the 5-argument form must then return inputs of the padded
   shard's size (FSDP2's rule, checked here), the legacy form equal sizes on every rank.
 - the unit gathers every extension parameter's inputs in one all-gather, rank-major like
-  its plain buckets, as bytes (uint8) when their dtypes differ. Each input gets an output
+  its plain buckets, as bytes (uint8) when their dtypes differ (and for float8, which
+  gloo cannot move). Each input gets an output
   of S times its size, made at the first gather; reshard frees their storage (and the
   inner tensors the post hook named) and the next gather resizes it back.
 - post: the first gather calls `fsdp_post_all_gather(outputs, metadata, param_dtype)`, which
@@ -193,8 +194,11 @@ def pack(unit: Unit, params: list[ShardedParam]) -> tuple[torch.Tensor, ExtGathe
     dtypes = [[t.dtype for t in ts] for ts in per]
     numels = [[t.numel() for t in ts] for ts in per]
     flat = [t for ts in per for t in ts]
-    dtype = flat[0].dtype if len({t.dtype for t in flat}) == 1 else torch.uint8
-    if dtype is torch.uint8:
+    dtype = flat[0].dtype
+    if len({t.dtype for t in flat}) > 1 or (dtype.is_floating_point and dtype.itemsize == 1):
+        # Mixed dtypes as bytes (FSDP2's rule); float8 too, which gloo cannot move (an
+        # all-gather copies bits, so bytes are the same gather).
+        dtype = torch.uint8
         flat = [t.contiguous().view(torch.uint8) for t in flat]
     split = [t.numel() for t in flat]
     numel = sum(split)
