@@ -40,8 +40,9 @@ from typing import Any, NamedTuple
 import torch
 
 COLLECTIVE_TIMEOUT_S = 30.0  # a rank stuck in a case's collective gives up after this
-# A case's own deadline ([Note: case deadlines]). The slowest cases take about 10 s on an idle
-# 2-core machine; the margin is for a machine shared with other jobs (10x slower measured).
+# A case's own deadline ([Note: case deadlines]): it is there to catch hangs, not slowness.
+# Cases take seconds (clip_grad_norm at 3 ranks, among the heavier ones, took 9 s on 2 cores
+# shared with other jobs at a load average of 25); 300 s leaves room for far worse machines.
 CASE_TIMEOUT_S = 300.0
 GRACE_S = 30.0  # how long a rank that finished a case waits past the deadline for its peers
 
