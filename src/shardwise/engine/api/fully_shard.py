@@ -16,7 +16,7 @@ from ..core.checks import check_module, check_params, check_shard_placement
 from ..core.context import ModelContext
 from ..core.extension import is_subclass
 from ..core.hooks import forward_post_hook, forward_pre_hook
-from ..core.inspect import units_of
+from ..core.inspect import unit_of, units_of
 from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
 from ..core.policies import (
     CPUOffloadPolicy,
@@ -32,7 +32,7 @@ from ..core.unit import Unit
 from .misuse import watch_optimizers
 from .module_api import FSDP2Methods, check_reshard_after_forward
 from .sd_hooks import install_state_dict_hooks
-from .state import state_of
+from .state import register_torch_state, state_of
 from .wrap import assign_params, wrap_targets
 
 
@@ -187,6 +187,7 @@ def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_fo
         sp.owner = unit
     for m in modules:
         m._sw_unit = unit  # type: ignore[attr-defined]
+        register_torch_state(m, unit)
     ModelContext.create(unit)
     for m in modules:
         _install_hooks(m)
@@ -223,7 +224,7 @@ def own_unit(module: nn.Module) -> Unit | None:
     would answer with the inner module's unit, and the wrapper would look sharded when only
     its inner layer is. FSDP2 keeps its state in `module.__dict__` for the same reason.
     """
-    return vars(module).get("_sw_unit")
+    return unit_of(module)
 
 
 def _validate(modules: list[nn.Module], reshard_after_forward: object, mp_policy: object,

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from ..core.checks import check_bool, check_module
-from ..core.inspect import units_of
+from ..core.inspect import unit_of, units_of
 from ..core.schedule import ShardedState
 from ..core.unit import Unit
 from .module_comm_api import CommMethods
@@ -60,7 +60,7 @@ class FSDP2Methods(CommMethods, FSDPModule):
         mods = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         seen: set[int] = set()
         for m in mods:
-            unit = getattr(m, "_sw_unit", None)
+            unit = unit_of(m)
             if unit is not None and id(unit) not in seen:
                 seen.add(id(unit))
                 yield unit
@@ -203,7 +203,7 @@ def check_reshard_after_forward(value: object, shard_size: int | None = None) ->
 
 def _check_sharded_modules(what: str, modules: Iterable[Any]) -> None:
     mods = list(modules)
-    bad = [type(m).__name__ for m in mods if getattr(m, "_sw_unit", None) is None]
+    bad = [type(m).__name__ for m in mods if unit_of(m) is None]
     if bad:
         raise ValueError(f"{what}: every module must be sharded with fully_shard; got "
                          f"unsharded {bad}")

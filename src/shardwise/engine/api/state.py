@@ -39,6 +39,7 @@ from torch.distributed._composable.contract import STATE_KEY as _COMPOSABLE_STAT
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..core.hooks import forward_post_hook, forward_pre_hook
+from ..core.inspect import unit_of
 from .param_group_view import FSDPParamGroupView, torch_mp_policy
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ def register_torch_state(module: nn.Module, unit: Unit) -> None:
 def state_of(module: nn.Module) -> ShardwiseState | None:
     """`fully_shard.state(module)`: the state of the unit `fully_shard` made on `module`
     (None for a module that was not itself given to fully_shard, as in FSDP2)."""
-    unit = getattr(module, "_sw_unit", None)
+    unit = unit_of(module)
     if unit is None:
         return None
     return _view(unit)
@@ -188,7 +189,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     `reshard_after_forward`) and hook the outputs for backward after. A no-op on a module
     that is not sharded, as in FSDP2 (torch's own function works on shardwise modules too).
     """
-    if getattr(module, "_sw_unit", None) is None:
+    if unit_of(module) is None:
         return
     if not isinstance(method_name, str) or not hasattr(module, method_name):
         raise ValueError(f"{type(module).__name__} does not have a method {method_name!r}")
@@ -208,6 +209,6 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     collectives on the current stream and its buffer pools are per root, so there is
     nothing to share; the modules are checked, as FSDP2 does."""
     for m in modules:
-        if getattr(m, "_sw_unit", None) is None:
+        if unit_of(m) is None:
             raise ValueError(f"share_comm_ctx expects sharded modules (fully_shard), got "
                              f"{type(m).__name__}")

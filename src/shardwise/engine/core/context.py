@@ -23,6 +23,7 @@ from ..comm.debug import debug_enabled
 from .containers import ContainerCheck, find_holders
 from .events import EventSink
 from .freeze_check import check_same_trainable
+from .inspect import unit_of
 from .mesh import agreement_groups
 from .schedule import Limits, Schedule, ShardedState, TrainingState
 from .streams import Streams, streams_for
@@ -59,7 +60,7 @@ class ModelContext:
         units: list[Unit] = []
         seen: set[int] = set()
         for name, m in _named_modules(top.modules):
-            u = getattr(m, "_sw_unit", None)
+            u = unit_of(m)
             if u is None or id(u) in seen:
                 continue  # a list-form unit is reached through each of its modules
             seen.add(id(u))

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 
 def unit_of(module: nn.Module) -> Unit | None:
     """The unit `fully_shard(module)` made (None: the module was not sharded itself)."""
-    return getattr(module, "_sw_unit", None)
+    # The module's own attribute: a wrapper that forwards unknown attributes to the module
+    # inside it (CheckpointWrapper) must not look sharded when only its layer is.
+    return vars(module).get("_sw_unit")
 
 
 def units_of(model: nn.Module) -> list[Unit]:
