@@ -24,6 +24,7 @@ from torchao.float8 import (
 )
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
 
+import shardwise as sw
 from tests.dist.all_gather_ext_workers import (
     IMPLS,
     Failures,
@@ -143,6 +144,17 @@ def qlora_state_dict(rank: int, world: int, path: str) -> None:
         dcp.load(sd_c, checkpoint_id=f"{path}/{impl}")
         c.load_state_dict(sd_c)
         fails.check(torch.equal(c(x).detach(), want), f"{impl}: DCP save / load")
+    # shardwise's own full state dicts and checkpoints hold plain tensors: NF4 is refused by
+    # name on every rank (same point of the state dict everywhere), the adapters alone save.
+    for what, call in (("full_state_dict", lambda: sw.full_state_dict(a)),
+                       ("save_checkpoint", lambda: sw.save_checkpoint(f"{path}/sw", a))):
+        try:
+            call()
+            fails.check(False, f"sw.{what} accepted NF4 parameters")
+        except NotImplementedError as e:
+            fails.check("blocks.0.up.weight" in str(e) and "NF4Tensor" in str(e),
+                        f"sw.{what}: the refusal does not name the NF4 weight: {e}")
+    sw.save_checkpoint(f"{path}/lora", a, trainable_only=True)
     fails.raise_any(rank)
 
 

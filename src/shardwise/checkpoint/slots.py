@@ -126,6 +126,18 @@ class ModelView:
     writes_full: bool = True  # this rank writes replicated tensors: the model's first rank
 
 
+def refuse_extension(sp: ShardedParam, key: str) -> None:
+    """shardwise's own checkpoints and full state dicts move plain tensors: a subclass
+    shard (NF4, float8 weights; [Note: all-gather extensions]) is refused by name."""
+    if sp.subclass:
+        raise NotImplementedError(
+            f"{key} is a {type(sp.local).__name__} parameter (FSDP2's all-gather extension): "
+            "shardwise's full state dicts, checkpoints and exports hold plain tensors; save "
+            "it with model.state_dict() or torch.distributed.checkpoint (its values are "
+            "DTensors over the subclass shards), or save only the adapters with "
+            "save_checkpoint(..., trainable_only=True)")
+
+
 def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
     """The model's state-dict keys mapped to sharded parameters, tied keys to their first.
     `trainable_only`: only parameters that require grad (a LoRA run's adapters)."""
@@ -141,6 +153,8 @@ def model_view(model: nn.Module, trainable_only: bool = False) -> ModelView:
         keys.append(key)
         sp = getattr(t, "_sw_param", None)
         if sp is not None:
+            if sp.subclass:
+                refuse_extension(sp, key)
             fqn = canonical.get(id(sp), key)
             if fqn != key:
                 aliases[key] = fqn

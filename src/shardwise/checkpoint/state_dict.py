@@ -12,7 +12,7 @@ from ..engine.comm import collectives as C
 from ..engine.core.checks import check_bool, check_module
 from ..engine.core.sharded_param import ShardedParam
 from ..engine.ext.model_group import model_group
-from .slots import set_plain
+from .slots import refuse_extension, set_plain
 from .sync import agreed
 
 
@@ -24,6 +24,7 @@ def gather_full(sp: ShardedParam) -> torch.Tensor:
     """The full tensor of one sharded parameter, on its compute device, original dtype."""
     if sp.is_meta:
         raise RuntimeError(f"{sp.fqn} is still on the meta device; call sw.materialize first")
+    refuse_extension(sp, sp.fqn)
     mesh = sp.owner.mesh  # type: ignore[attr-defined]
     shard = sp.padded_shard.to(mesh.device)
     if sp.shard_size == 1:
@@ -58,6 +59,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
         elif id(sp) in done:
             value = done[id(sp)]  # a tied parameter: same tensor under both keys
         else:
+            refuse_extension(sp, key)  # named by its key in the model, on every rank
             value = gather_full(sp).cpu()
             done[id(sp)] = value
         if keep:
