@@ -45,9 +45,8 @@ aliases are watched. No worker thread then holds anything that needs the GIL, wh
 finalization starts. Measured with benchmarks/exit_stress.py; see benchmarks/RESULTS.md.
 
 The barrier is skipped when this process is ending with a non-zero status: an uncaught
-exception, a collective that failed here, or a status declared with `ending_with(code)` (the
-CLI's handled errors; CPython keeps no record of a `sys.exit` code that an exit handler
-could read, and a library must not replace `sys.exit` to learn it). A peer may then be dead,
+exception, a collective that failed here, or `sys.exit(code)` with a non-zero code (noted by
+`_watch_sys_exit`, installed with the drain and under its switch). A peer may then be dead,
 or still inside a collective this rank will never join; a barrier would pair with that
 collective and both would wait out the collective timeout. Skipping it, this rank tears down
 at once, its connections close, and the peer's pending collective fails within moments
@@ -118,12 +117,34 @@ def communicating() -> None:
         _exit_registered = True
         if os.environ.get("SHARDWISE_EXIT_DRAIN", "1") != "0":
             atexit.register(_at_exit)
+            _watch_sys_exit()
 
 
 def ending_with(status: int) -> None:
     """Record the status this process is about to exit with (the exit drain reads it)."""
     global _exit_status
     _exit_status = status
+
+
+def _watch_sys_exit() -> None:
+    """Let the exit drain see `sys.exit(code)` (part of the exit drain, so under the same
+    switch, SHARDWISE_EXIT_DRAIN=0; docs/design.md, "Global effects").
+
+    CPython keeps no record of a SystemExit's code for exit handlers to read (unlike an
+    uncaught exception's `sys.last_exc`; no audit event either), and a rank ending with
+    `sys.exit(1)` while a peer waits in a collective must not wait at the barrier for the
+    collective timeout. So sys.exit notes the code, then exits exactly as before.
+    """
+    real = sys.exit
+    if getattr(real, "_shardwise_watch", False):
+        return
+
+    def exit(status: object = None) -> None:  # noqa: A001 - stands in for sys.exit
+        ending_with(0 if status is None else status if isinstance(status, int) else 1)
+        real(status)
+
+    exit._shardwise_watch = True  # type: ignore[attr-defined]
+    sys.exit = exit
 
 
 def mark_failed() -> None:

@@ -25,7 +25,9 @@ one 3-D parameter (torchtitan's grouped experts). docs/moe.md shows both.
 
 Layer stacks whose order changes between steps, or a holder called several times in one
 forward, are fine: only "once per holder call" is checked. Calls made while recomputing
-(activation checkpointing) are not counted: the forward already was.
+(activation checkpointing) are not counted: the forward already was. Under SHARDWISE_DEBUG the
+check stands aside: the collective fingerprints then name the first collective where the
+ranks part, on every rank (CollectiveMismatchError), which is the better error.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from ..comm import process_group as PG
+from ..comm.debug import debug_enabled
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -67,7 +70,7 @@ class ContainerCheck:
         self.handles = []
 
     def _holder_starts(self, i: int, module: nn.Module, args: Any) -> None:
-        if not self.in_backward():
+        if not self.in_backward() and not debug_enabled():
             self.seen[i] = set()
 
     def called(self, module: nn.Module) -> None:
