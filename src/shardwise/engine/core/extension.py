@@ -31,7 +31,7 @@ its compute dtype. Plain parameters of the same unit keep their own buckets and 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -182,7 +182,7 @@ class ExtGather:
     start: float
     blocked: float = 0.0
     done: Any = None  # CUDA: an event after the all-gather ([Note: streams])
-    pooled: bool = field(default=True)
+    pooled: bool = True  # False when S == 1: send and out are one fresh tensor
 
 
 def pack(unit: Unit, params: list[ShardedParam]) -> tuple[torch.Tensor, ExtGather]:
@@ -190,7 +190,8 @@ def pack(unit: Unit, params: list[ShardedParam]) -> tuple[torch.Tensor, ExtGathe
 
     Returns (the send row, the gather without its work) for the caller to issue.
     """
-    per = [p.ext.inputs(unit) for p in params]  # type: ignore[union-attr]
+    with torch.no_grad():  # as FSDP2 calls them: what the hooks compute is not autograd's
+        per = [p.ext.inputs(unit) for p in params]  # type: ignore[union-attr]
     dtypes = [[t.dtype for t in ts] for ts in per]
     numels = [[t.numel() for t in ts] for ts in per]
     flat = [t for ts in per for t in ts]
