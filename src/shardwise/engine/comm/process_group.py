@@ -155,6 +155,11 @@ def mark_failed() -> None:
 def init_process_group(backend_name: str, timeout: float) -> None:
     global timeout_s
     timeout_s = timeout
+    # Imported before the group exists: importing torch.distributed.fsdp's FSDP1 modules
+    # registers torch's "fake" backend (for hpu), and when that happens after the default
+    # group was made, the device meshes made later ask for a "fake" backend the group does
+    # not know ("Unknown c10d backend type FAKE": torchtitan's build_mesh, imported lazily).
+    import torch.distributed.fsdp  # noqa: F401
     td = datetime.timedelta(seconds=timeout)
     dist.init_process_group(backend_name, timeout=td, **_restart_store(td))
     communicating()
