@@ -63,11 +63,16 @@ def test_deferred_init_load_and_materialize() -> None:
 
 
 def test_deferred_init_peak_memory_is_a_shard() -> None:
-    res = run_distributed(knobs.deferred_peak_memory, 4, 2048)
+    width, world = 2048, 4
+    res = run_distributed(knobs.deferred_peak_memory, world, width)
+    one_module = (width * width + width) * 4  # one Linear's full fp32 parameters
     for r in res:
-        # Each rank's RSS grows by about its quarter (plus allocator slack), never by the
-        # whole model: the full 67 MB never exists on any rank.
-        assert r["growth"] < 0.4 * r["unsharded"], r
+        # Each rank's RSS grows by its quarter plus, while one module initializes, that
+        # module's full parameters (materialize runs every initializer at full shape, one
+        # module at a time, so fan-based inits keep their scale: issue 35), plus allocator
+        # slack; never by the whole model: the full 67 MB never exists on any rank.
+        bound = r["unsharded"] / world + 1.5 * one_module + 4 * 2**20
+        assert r["growth"] < bound < 0.8 * r["unsharded"], (r, bound)
     print("deferred init peak RSS growth per rank (MB):",
           [round(r["growth"] / 2**20, 1) for r in res], "unsharded model (MB):",
           round(res[0]["unsharded"] / 2**20, 1))

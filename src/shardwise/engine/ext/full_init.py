@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import mmap
 from collections.abc import Callable, Iterator
 
 import torch
@@ -151,8 +153,21 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
         torch.get_device_module(device.type).set_rng_state(state[1], device)
 
 
+# Full tensors at least this large are mapped anonymously on the host, so that freeing one
+# gives its pages back at once: from the C heap, glibc keeps them (its mmap threshold grows
+# after the first large free), and a model's initializers added up in the resident set one
+# module after another (a 4 x 16 MB model grew by 55 MB on a 16.8 MB shard).
+_MAP_BYTES = 1 << 20
+
+
 def unfilled(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A new tensor holding the sentinel that initializers overwrite."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if device.type == "cpu" and nbytes >= _MAP_BYTES:
+        pages = mmap.mmap(-1, nbytes)  # unmapped when the last tensor on it is freed
+        t = torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
+        return fill_sentinel(t)
     return fill_sentinel(torch.empty(shape, dtype=dtype, device=device))
 
 
@@ -171,6 +186,13 @@ def still_unfilled(t: torch.Tensor) -> bool:
     fill, or no value left to mark "unfilled")."""
     if t.numel() == 0 or t.dtype == torch.bool:
         return False
-    if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).all())
-    return bool((t == torch.iinfo(t.dtype).min).all())
+    flat = t.reshape(-1)
+    step = 1 << 20  # in pieces: a full-size boolean mask would be one more large buffer
+    for i in range(0, flat.numel(), step):
+        piece = flat[i : i + step]
+        if t.is_floating_point() or t.is_complex():
+            if not bool(torch.isnan(piece).all()):
+                return False
+        elif not bool((piece == torch.iinfo(t.dtype).min).all()):
+            return False
+    return True
