@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,8 +39,17 @@ def _env(src: str | None) -> dict[str, str]:
     return env
 
 
-def _cli(args: list[str], cwd: Path, src: str | None, until: str | None = None) -> float:
-    """Seconds until the command ends, or until a stdout line starts with `until`."""
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _cli(args: list[str], cwd: Path, src: str | None,
+         until: str | None = None) -> tuple[float, float]:
+    """(seconds until the command ends, or until a stdout line starts with `until`; CPU
+    seconds of the whole command and the processes it waited for). On a busy machine the
+    CPU seconds move far less than the wall clock."""
+    c0 = _cpu()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", *args], cwd=cwd,
                             env=_env(src), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -51,7 +62,8 @@ def _cli(args: list[str], cwd: Path, src: str | None, until: str | None = None) 
     err = proc.stderr.read() if proc.stderr else ""
     if proc.wait() != 0:
         raise RuntimeError(f"{args} failed ({proc.returncode}):\n{err}")
-    return seen if seen is not None else time.perf_counter() - t0
+    wall = seen if seen is not None else time.perf_counter() - t0
+    return wall, _cpu() - c0
 
 
 def _workspace(tmp: Path) -> None:
@@ -85,28 +97,43 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default="", help="another src/ tree to compare with")
+    ap.add_argument("--only", default="", help="run the cases whose name has this text")
     a = ap.parse_args()
     trees = {"before": a.before, "after": None} if a.before else {"this": None}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         _workspace(tmp)
+        for tree in trees:  # each version reads only the runs it wrote (config keys differ)
+            (tmp / tree).mkdir()
+            for name in ("llama", "text.txt"):
+                (tmp / tree / name).symlink_to(tmp / name)
         times: dict[str, dict[str, list[float]]] = {}
+        cpus: dict[str, dict[str, list[float]]] = {}
         for r in range(a.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name, (args, until) in _cases(tmp).items():
+                if a.only and a.only not in name and not name.startswith("train (GPT"):
+                    continue  # the GPT run is what export and generate read
                 for tree in order:
-                    if tree == "before" and args[0] == "export" and "--force" in args:
+                    run = args
+                    if tree == "before" and "--hf" in args:
                         # an older export --hf refuses --force: start from a clean folder
-                        import shutil
-
-                        shutil.rmtree(tmp / args[2], ignore_errors=True)
-                        args = [x for x in args if x != "--force"]
-                    t = _cli(args, tmp, trees[tree], until)
+                        shutil.rmtree(tmp / tree / args[2], ignore_errors=True)
+                        run = [x for x in args if x != "--force"]
+                    t, cpu = _cli(run, tmp / tree, trees[tree], until)
                     times.setdefault(name, {}).setdefault(tree, []).append(t)
-                    print(f"round {r + 1}: {name} [{tree}] {t:.1f} s", file=sys.stderr,
-                          flush=True)
+                    cpus.setdefault(name, {}).setdefault(tree, []).append(cpu)
+                    print(f"round {r + 1}: {name} [{tree}] {t:.1f} s, {cpu:.1f} CPU s",
+                          file=sys.stderr, flush=True)
     cols = list(trees)
-    print(f"\nfixed cost per command, seconds (median of {a.rounds} alternating rounds; "
+    for what, table in (("wall-clock", times), ("CPU (whole command)", cpus)):
+        _print(what, table, cols, a)
+
+
+def _print(what: str, table: dict[str, dict[str, list[float]]], cols: list[str],
+           a: argparse.Namespace) -> None:
+    times = table
+    print(f"\nfixed cost per command, {what} seconds (median of {a.rounds} alternating rounds; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end):")
     head = f"  {'command':<32}" + "".join(f"{c:>10}" for c in cols)
     print(head + (f"{'after / before':>16}" if a.before else ""))
