@@ -110,6 +110,8 @@ TRAIN_CASES = [
     train("log.sample_prompt", "", "log.sample_prompt must not be empty"),
     train("log.trace_steps", "0", "log.trace_steps=0 must be > 0"),
     train("log.trace_after", "-1", "log.trace_after=-1 must be >= 0"),
+    train("log.to", "nope", "log.to='nope' is not allowed: unknown sink 'nope'"),
+    train("log.peak_tflops", "-1", "log.peak_tflops=-1.0 must be >= 0"),
     cli(["train", "--config", NO_SUCH], "(no such file)", f"config file '{NO_SUCH}' does not "
         "exist"),
     cli(["train", "--config", NOT_TOML], "(not TOML)", "is not valid TOML"),

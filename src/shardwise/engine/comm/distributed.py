@@ -38,7 +38,7 @@ def init_distributed(
     if timeout_s is not None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
                 math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+            raise ValueError(f"timeout_s={timeout_s!r} is not allowed: must be a finite number > 0")
     else:
         env = os.environ.get("SHARDWISE_TIMEOUT")
         try:
