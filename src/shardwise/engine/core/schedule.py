@@ -235,7 +235,10 @@ class Schedule(Generic[U]):
         # on every rank ([Note: structure decides]).
         seen = {id(u) for u in self.order}
         for u in list(reversed(self.order)) + [u for u in self.units if id(u) not in seen]:
-            if id(u) in self.reduced:
+            if id(u) in self.reduced and u.training_state is TrainingState.POST_BACKWARD:
+                # Reduced, and no backward reached it since. One that did (a tied weight's
+                # second call, an embedding whose inputs need no gradient, after its head's
+                # post-backward) reduces again here: its new gradients add up (FSDP2 too).
                 continue
             if u.state is not ShardedState.SHARDED or u.has_unreduced_grads():
                 self._post_backward(u)
