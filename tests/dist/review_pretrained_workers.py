@@ -32,7 +32,9 @@ def merged_vs_peft(folder: str, targets: str, data: str, out: str) -> dict[str, 
     with torch.no_grad():
         want = pm(input_ids=ids).logits
     os.makedirs(out)
-    hf_export._merged(cfg, adapters, out)
+    from shardwise.checkpoint.export import DEFAULT_MAX_SHARD_BYTES
+
+    hf_export._merged(cfg, adapters, out, DEFAULT_MAX_SHARD_BYTES)
     hf_export._copy_side_files(folder, out)
     got_model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
