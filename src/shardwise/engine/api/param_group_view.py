@@ -20,6 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import OffloadPolicy as TorchNoOffload
 
+from ..core.extension import torch_mp
 from ..core.schedule import ShardedState
 
 if TYPE_CHECKING:
@@ -28,13 +29,9 @@ if TYPE_CHECKING:
     from ..core.unit import Unit
 
 
-def torch_mp_policy(unit: Unit) -> TorchMP:
-    """The unit's mixed precision as FSDP2 holds it (its default policy when off)."""
-    mp = unit.mp
-    if mp is None:
-        return TorchMP()
-    return TorchMP(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs)
+# The unit's mixed precision as FSDP2 holds it (its default policy when off): one function,
+# in core, where the all-gather extensions' 5-argument pre hook needs it too.
+torch_mp_policy = torch_mp
 
 
 def _offloaded(unit: Unit) -> bool:
