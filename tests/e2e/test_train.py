@@ -65,9 +65,10 @@ def test_run_folder_contents(run: tuple[Path, str]) -> None:
     names = {p.name for p in run_dir.iterdir()}
     assert names == {"config.toml", "metrics.jsonl", "events-rank0.jsonl", "events-rank1.jsonl",
                      "checkpoints", "sample.txt"}
-    # Keep the last 2 of the checkpoints at steps 2, 4 and 6.
+    # Keep the last 2 of the checkpoints at steps 2, 4 and 6, and the best by validation
+    # loss (checkpoint.best, on by default: docs/training.md).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step-0000004", "step-0000006"]
+        "best", "step-0000004", "step-0000006"]
     assert (run_dir / "sample.txt").read_text().startswith("def ")
     cfg = O.build(O.read_toml(run_dir / "config.toml"))
     assert cfg.name == "base" and cfg.model.preset == "tiny" and cfg.train.steps == STEPS
@@ -203,7 +204,7 @@ def test_two_torchrun_agents_form_a_two_node_hybrid_job(tmp_path: Path) -> None:
         assert {"all_gather", "reduce_scatter", "all_reduce"} <= {e["collective"]
                                                                   for e in events}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step-0000004", "step-0000006"]
+        "best", "step-0000004", "step-0000006"]
 
 
 def test_corrupted_latest_checkpoint_names_the_intact_older_one(run: tuple[Path, str]) -> None:
