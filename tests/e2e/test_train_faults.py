@@ -43,7 +43,9 @@ def train(*args: str, cwd: Path, env: dict[str, str] | None = None,
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").iterdir())
+    # (checkpoints/best/, the best by validation loss, is no step folder.)
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.startswith("step-"))
 
 
 def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
