@@ -43,3 +43,19 @@ def bad_state_dict(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="missing keys.*norm.bias"):
         sw.load_full_state_dict(model, missing)
     sw.load_full_state_dict(model, sd if rank == 0 else None, from_rank0=True)
+
+
+def diverging_subclass(rank: int, world: int) -> None:
+    """Same shapes and dtypes on every rank, but rank 0's weights carry FSDP2's all-gather
+    hooks (an extension subclass) and rank 1's are plain: the two gather differently, so the
+    layout check must name the disagreement rather than let the gathers mismatch."""
+    from tests.dist import ext_subclasses as X
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 10), torch.nn.Linear(10, 3))
+    if rank == 0:
+        for lin in model:
+            lin.weight = torch.nn.Parameter(X.SplitTensor(lin.weight.detach().clone()))
+    sw.fully_shard(model)
+    with pytest.raises(RuntimeError, match="ranks disagree on the sharded model"):
+        model(torch.randn(2, 7))

@@ -24,3 +24,7 @@ def test_diverging_rank_is_an_error_on_every_rank() -> None:
 
 def test_bad_state_dict_raises_everywhere() -> None:
     run_distributed(failures.bad_state_dict, 3, collective_timeout_s=20)
+
+
+def test_ranks_disagreeing_on_an_extension_subclass_is_an_error() -> None:
+    run_distributed(failures.diverging_subclass, 2, collective_timeout_s=20)

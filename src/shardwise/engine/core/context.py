@@ -225,10 +225,11 @@ def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
     """Every rank must shard the same model the same way, or collectives would mismatch.
 
     One small all-reduce at the first forward turns a diverging rank (another model, other
-    shapes, another wrap policy) into an error on every rank instead of a hang or garbage.
+    shapes, another wrap policy, an all-gather extension subclass on one rank only, which
+    gathers other bytes) into an error on every rank instead of a hang or garbage.
     """
     desc = ";".join(
-        f"{u.name}:" + ",".join(f"{p.global_shape}{p.orig_dtype}{p.compute_dtype}"
+        f"{u.name}:" + ",".join(f"{p.global_shape}{p.orig_dtype}{p.compute_dtype}{p.subclass}"
                                 for p in u.params)
         for u in units
     )
