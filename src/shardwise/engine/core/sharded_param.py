@@ -390,6 +390,15 @@ class ShardedParam:
             padded = padded.pin_memory()
         self._build(padded, meta=False)
 
+    def adopt_subclass_shard(self, padded: torch.Tensor) -> None:
+        """Replace this rank's shard (meta or plain) with `padded`, a tensor subclass with
+        FSDP2's all-gather hooks and the padded shard's shape: a frozen base quantized as it
+        loads (checkpoint/quantize.py). New Parameter objects, as in `materialize`; the
+        owner unit must rebuild its layout (`Unit.set_params`) before the next gather."""
+        assert tuple(padded.shape) == (self.chunk_rows, *self.rest) and is_subclass(padded)
+        self.subclass = True
+        self._build(padded, meta=False)
+
     def set_full(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of the full tensor `full` into the shard."""
         if tuple(full.shape) != self.global_shape:
