@@ -17,6 +17,7 @@ from ..core.context import ModelContext
 from ..core.extension import is_subclass
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.inspect import unit_of, units_of
+from ..core.layout import shard_dim_for
 from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
 from ..core.policies import (
     CPUOffloadPolicy,
@@ -138,20 +139,21 @@ def fully_shard(
     and the list is returned. `reshard_after_forward`: None (FSDP2's default) reshards after
     forward except on the root; True/False apply to the root too. `mp_policy` and
     `offload_policy` also take torch.distributed.fsdp's own policy objects.
-    `shard_placement_fn` may return `Shard(0)` or None for each parameter; another dim is
-    refused (checks.check_shard_placement).
+    `shard_placement_fn` may return `Shard(dim)` (any dim) or None for each parameter; None
+    takes the default dim ([Note: balanced shards] in core/layout.py).
     """
     modules = _validate_modules(module)
     mp, offload, ignored = _validate(modules, reshard_after_forward, mp_policy,
                                      offload_policy, ignored_params)
+    placements: dict[int, int] = {}
     for m in modules:
-        check_shard_placement(m, shard_placement_fn, ignored)
+        placements.update(check_shard_placement(m, shard_placement_fn, ignored))
     # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
     tp = context_for(modules[0], mesh)
     info = mesh_info_for(mesh)
     raf = check_reshard_after_forward(reshard_after_forward, info.shard_size)
     _shard(modules, info, True if raf is None else bool(raf), mp, offload,
-           _mark_ignored(ignored), None, tp, auto=raf is None)
+           _mark_ignored(ignored), None, tp, auto=raf is None, placements=placements)
     return module
 
 
@@ -172,13 +174,13 @@ fully_shard.state = _state  # type: ignore[attr-defined]
 def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_forward: bool,
            mp: MixedPrecisionPolicy | None, offload: CPUOffloadPolicy | None,
            ignored: set[int], owned: set[int] | None, tp: TPContext | None,
-           auto: bool = True) -> None:
+           auto: bool = True, placements: dict[int, int] | None = None) -> None:
     """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
     owns, when the caller computed ownership for the whole model (shard_model); None: take
     what no sharded child owns and re-home tied parameters shared with siblings."""
     modules = module if isinstance(module, list) else [module]
     new, rehome = _collect_params(modules, ignored, owned, tp)
-    params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp)
+    params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp, placements or {})
     unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, BufferPool())
     unit.modules = list(modules)
     unit.auto_reshard_after_forward = auto
@@ -356,7 +358,8 @@ def _rehome(rehome: _Rehome) -> list[ShardedParam]:
 
 
 def _shard_new(new: _NewParams, info: MeshInfo, mp: MixedPrecisionPolicy | None,
-               offload: CPUOffloadPolicy | None, tp: TPContext | None) -> list[ShardedParam]:
+               offload: CPUOffloadPolicy | None, tp: TPContext | None,
+               placements: dict[int, int]) -> list[ShardedParam]:
     if offload is not None and offload.params and info.device.type == "cuda":
         host = torch.device("cpu")
     else:
@@ -367,7 +370,8 @@ def _shard_new(new: _NewParams, info: MeshInfo, mp: MixedPrecisionPolicy | None,
     for t, refs in new.values():
         dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
         sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
-                          pin_memory=pin, device_mesh=info.device_mesh, tp=tp)
+                          pin_memory=pin, device_mesh=info.device_mesh, tp=tp,
+                          shard_dim=shard_dim_for(t, info.shard_size, tp, placements))
         # Later fully_shard calls on a parent find other references to the original here.
         t._sw_orig_of = sp  # type: ignore[attr-defined]
         if not t.is_meta:

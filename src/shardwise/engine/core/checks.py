@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -105,18 +106,21 @@ def check_params(name: str, value: Any) -> list[nn.Parameter]:
     return out
 
 
-def check_shard_placement(module: nn.Module, fn: Any, ignored: Iterable[nn.Parameter]) -> None:
+def check_shard_placement(module: nn.Module, fn: Any, ignored: Iterable[nn.Parameter]
+                          ) -> dict[int, int]:
     """FSDP2's `shard_placement_fn` (param -> Shard(dim) or None), asked for every parameter
-    the unit will own. Dim 0 (the default, also as `Shard(-ndim)`) is what shardwise does;
-    another dim is refused up front rather than silently sharded on dim 0."""
+    the unit will own: {id(param): dim >= 0} for those it placed (None: the default,
+    [Note: balanced shards] in layout.py). A negative dim counts from the end, as in FSDP2;
+    any valid dim is allowed, even one the group does not divide (padded like dim 0)."""
     if fn is None:
-        return
+        return {}
     if not callable(fn):
         raise _fail("shard_placement_fn", fn, "must be None or a callable taking a parameter "
                     "and returning torch's Shard(dim) or None")
     from torch.distributed.tensor import Shard
 
     skip = {id(p) for p in ignored}
+    dims: dict[int, int] = {}
     for name, p in module.named_parameters():
         if id(p) in skip or hasattr(p, "_sw_param"):
             continue  # ignored, or already owned by a sharded child
@@ -124,16 +128,21 @@ def check_shard_placement(module: nn.Module, fn: Any, ignored: Iterable[nn.Param
         if got is None:
             continue
         if type(got) is not Shard:
-            raise ValueError(f"shard_placement_fn returned {got!r} for parameter {name!r}: it "
-                             "must return torch's Shard(dim) or None")
+            raise ValueError(
+                f"shard_placement_fn returned {got!r} for parameter {name!r}: it must return "
+                "torch's Shard(dim) or None (a parameter on a mesh of its own, FSDP2's "
+                "ShardPlacementResult: give its module a fully_shard call with that mesh)")
         nd = max(p.dim(), 1)
         if not -nd <= got.dim < nd:
             raise ValueError(f"shard_placement_fn returned Shard({got.dim}) for parameter "
-                             f"{name!r} of shape {tuple(p.shape)}: dim out of range")
-        if got.dim % nd != 0:
-            raise ValueError(
-                f"shard_placement_fn returned Shard({got.dim}) for parameter {name!r} of shape "
-                f"{tuple(p.shape)}: shardwise shards every parameter on dim 0 only (a shard is "
-                "rows of the all-gather buffer, and checkpoints, state dicts and the grad norm "
-                "read rows); return Shard(0) or None. Expert weights stored as (experts, out, "
-                "in) tensors shard on dim 0 with any expert count (docs/moe.md)")
+                             f"{name!r} of shape {tuple(p.shape)}: dim out of range "
+                             f"[{-nd}, {nd - 1}]")
+        dim = got.dim % nd
+        if dim != 0 and (hasattr(p, "fsdp_pre_all_gather") or type(p.data) not in (
+                torch.Tensor,)):
+            raise NotImplementedError(
+                f"shard_placement_fn returned Shard({got.dim}) for parameter {name!r}, a "
+                f"{type(p.data).__name__}: tensor subclasses and all-gather extensions are "
+                "sharded on dim 0 only; return Shard(0) or None for it")
+        dims[id(p)] = dim
+    return dims

@@ -202,6 +202,8 @@ class ModelContext:
                 pr.unit.pool.release(pr.send)
         for u in self.units:
             u.reshard()
+            u.post_forward = None
+            u.partial_reduce.clear()  # deferred reductions of the failed step (FSDP2 too)
             for p in u.params:
                 if not p.direct:
                     p.unsharded.grad = None
@@ -230,6 +232,7 @@ def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
     """
     desc = ";".join(
         f"{u.name}:" + ",".join(f"{p.global_shape}{p.orig_dtype}{p.compute_dtype}{p.subclass}"
+                                f"d{p.shard_dim}"
                                 for p in u.params)
         for u in units
     )

@@ -46,8 +46,8 @@ def hybrid_mesh(replicate_group: object, shard_group: object, replicate: int, sh
                                  mesh=layout, mesh_dim_names=("replicate", "shard"))
 
 
-def placements_for(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple[Placement, ...]:
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -58,10 +58,11 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def spec_for(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-    """The sharding spec of a parameter of global `shape` sharded on dim 0 over `mesh`."""
+def spec_for(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype,
+             dim: int = 0) -> DTensorSpec:
+    """The sharding spec of a parameter of global `shape` sharded on `dim` over `mesh`."""
     meta = TensorMeta(shape, contiguous_stride(shape), dtype)
-    return DTensorSpec(mesh, placements_for(mesh), tensor_meta=meta)
+    return DTensorSpec(mesh, placements_for(mesh, dim), tensor_meta=meta)
 
 
 def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:

@@ -30,7 +30,7 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
     if grad is None:
         dst.zero_()
         return
-    flat = grad.reshape(-1)
+    flat = p.to_rows(grad).reshape(-1)  # a copy only for a shard dim other than 0
     chunk = p.chunk_numel
     if p.chunk_rows == 0:
         return  # dim 0 has size 0: nothing to send (and no rows to divide by)

@@ -9,6 +9,14 @@ treated as shape (1,). The *unsharded* parameter is a view of the first D0 rows 
 (S*C, *rest) buffer whose storage exists only while the unit is unsharded. On the module,
 the sharded parameter is a DTensor whose local tensor is `local` (dtensor.py
 [Note: DTensor parameters]).
+
+A parameter sharded on another dim d ([Note: balanced shards] in layout.py, or FSDP2's
+`shard_placement_fn`) is the same machinery on `movedim(d, 0)`: *rows* are its slices along
+d, the shard and all-gather buffers hold rows of the moved tensor, and the DTensor face
+(`Shard(d)`) and the unsharded parameter are views moved back (the unsharded parameter is
+then not contiguous: no copy after the gather). `local`, `padded_shard`, `row_start` /
+`row_end`, `dim0` and `rest` always speak of rows; `to_rows` / `from_rows` convert a
+tensor of the face's layout (a gradient, optimizer state, a loaded shard) and back.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
 from .extension import Extension, has_hooks, is_subclass, shard_mesh_of
+from .layout import from_rows, to_rows
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -52,6 +61,7 @@ class ShardedParam:
         pin_memory: bool = False,
         device_mesh: DeviceMesh | None = None,
         tp: TPContext | None = None,
+        shard_dim: int = 0,
     ) -> None:
         # Tensor parallelism ([Note: FSDP x TP], tp.py): the engine shards the TP-local
         # tensor; `tp` knows the global layout. None: a model without TP.
@@ -80,8 +90,10 @@ class ShardedParam:
         # row as a DTensor of global shape (1,), so torch's tools see the value once, on
         # the rank that has it (plain, the other ranks' empty rows read as copies of it:
         # DCP saved the parameter empty).
+        # The dim whose slices are this parameter's rows (0 for a 0-d parameter).
+        self.shard_dim = shard_dim % param.dim() if param.dim() > 0 else 0
         self.spec = (DT.spec_for(device_mesh, self.orig_shape if param.dim() > 0
-                                 else torch.Size([1]), self.orig_dtype)
+                                 else torch.Size([1]), self.orig_dtype, self.shard_dim)
                      if device_mesh is not None and (param.dim() > 0 or self.tp is None)
                      else None)
         if self.tp is not None:
@@ -90,6 +102,8 @@ class ShardedParam:
             self.spec = self.tp.sharded_spec(self.orig_dtype)
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
+        shape2d = (shape2d[self.shard_dim], *(n for i, n in enumerate(shape2d)
+                                              if i != self.shard_dim))
         self.dim0 = shape2d[0]
         self.rest = shape2d[1:]
         self.row_numel = math.prod(self.rest)
@@ -120,7 +134,7 @@ class ShardedParam:
                                  device=self._shard_device(param))
             if not param.is_meta:
                 with torch.no_grad():
-                    rows = param.detach().reshape(shape2d)[self.row_start : self.row_end]
+                    rows = self.local_slice(param.detach())
                     padded[: self.row_end - self.row_start].copy_(rows)
         if self.pin_memory and not param.is_meta:
             padded = padded.pin_memory()
@@ -152,10 +166,11 @@ class ShardedParam:
         self.local = (padded.narrow(0, 0, self.local_rows) if self.subclass
                       else padded[: self.local_rows])
         # What the module and the optimizer hold: a DTensor over `local` (same storage).
-        face = self.local if self.spec is None else DT.wrap(self.local, self.spec)
+        face = self.from_rows(self.local)
+        face = face if self.spec is None else DT.wrap(face, self.spec)
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
-        if self.spec is not None:
+        if self.spec is not None and self.shard_dim == 0:
             # The very tensor object inside the DTensor (nn.Parameter detached a new alias
             # of the same storage): FSDP2's recipe patches its hooks onto that object.
             self.local = DT.local_of(self.sharded)
@@ -191,7 +206,7 @@ class ShardedParam:
                 device="meta" if meta else self.device,
             )
             self._full_padded = full
-            view = full[: self.dim0].view(self.orig_shape)
+            view = self.from_rows(full[: self.dim0]).view(self.orig_shape)
             self.unsharded = nn.Parameter(
                 view if self.tp is None else self.tp.compute_face(view),
                 requires_grad=self.requires_grad,
@@ -213,12 +228,17 @@ class ShardedParam:
     def refresh_extension(self) -> bool:
         """Take up FSDP2's all-gather hooks on the shard (a subclass's, or patched onto it
         after sharding, FSDP2's monkey-patch recipe); True when that changed."""
-        hooked = has_hooks(self.local)
+        hooked = has_hooks(DT.local_of(self.sharded))
         if hooked == (self.ext is not None):
             return False
         if not hooked:
             self.ext = None
             return True
+        if self.shard_dim != 0:
+            raise NotImplementedError(
+                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) on a "
+                f"parameter sharded on dim {self.shard_dim}: shardwise runs extensions on "
+                "dim-0 shards only; shard it with Shard(0)")
         if self.direct or self._device_mesh is None:
             raise NotImplementedError(
                 f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) runs on "
@@ -298,13 +318,22 @@ class ShardedParam:
 
     @property
     def shard_grad(self) -> torch.Tensor | None:
-        """This rank's rows of the sharded gradient (a plain tensor), or None."""
+        """This rank's rows of the sharded gradient (a plain tensor, a view), or None."""
         g = self.sharded.grad
-        return None if g is None else DT.local_of(g)
+        return None if g is None else self.to_rows(DT.local_of(g))
 
     def set_shard_grad(self, rows: torch.Tensor) -> None:
         """Make `rows` (plain, shaped like `local`) the sharded gradient."""
-        self.sharded.grad = rows if self.spec is None else DT.wrap(rows, self.spec)
+        face = self.from_rows(rows)
+        self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
+
+    def to_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor in the face's layout (this rank's shard, or a full tensor) as rows."""
+        return to_rows(t, self.shard_dim)
+
+    def from_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows back in the face's layout (a view)."""
+        return from_rows(t, self.shard_dim)
 
     def mark_reduced(self) -> None:
         g = self.sharded.grad
@@ -335,7 +364,9 @@ class ShardedParam:
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (original-shape) tensor."""
-        return full.reshape(self.dim0, *self.rest)[self.row_start : self.row_end]
+        if full.dim() == 0:
+            full = full.reshape(1)
+        return self.to_rows(full)[self.row_start : self.row_end]
 
     # --- unsharded storage: exists only between unshard and reshard -----------------
 
