@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveMismatchError",
     "LoadResult",
     "MixedPrecisionPolicy",
+    "NF4",
     "OverlapReport",
     "Plan",
     "ShardedGradScaler",

@@ -8,6 +8,7 @@ from .checkpoint.adapter import save_adapter
 from .checkpoint.export import export_safetensors
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.pretrained import LoadResult, load_pretrained
+from .checkpoint.quantize import NF4
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .engine.api.fully_shard import ShardedModule, fully_shard, shard_model

@@ -40,6 +40,7 @@ from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
 from .manifest import CheckpointError
 from .pretrained_files import StoredTensor, find_files
 from .pretrained_finite import agree_finite
+from .quantize import NF4, finish, resolve, rows_part, targets
 from .slots import ModelEntry, ModelView, model_view, owned_block, set_plain
 from .sync import agreed, as_error
 
@@ -60,6 +61,7 @@ class LoadResult:
     computed_buffers: list[str] = field(default_factory=list)  # e.g. rotary inv_freq
     bytes_read: int = 0  # stored bytes this rank read
     files: list[str] = field(default_factory=list)
+    quantized_keys: list[str] = field(default_factory=list)  # now NF4 shards (quantize=)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Plan:
     sources: dict[str, StoredTensor]  # model entry key -> stored tensor to read
     result: LoadResult
     meta_buffers: list[tuple[str, nn.Module, str]]  # computed after loading
+    quantized: dict[str, ShardedParam] = field(default_factory=dict)  # key -> to NF4
 
 
 def _names(keys: list[str], limit: int = 8) -> str:
@@ -156,7 +159,8 @@ def _check_tied_copies(path: str, copies: list[tuple[ModelEntry, StoredTensor, S
     try:
         for e, a, b in copies:
             if e.sp is not None:
-                shape, dtype, block = tuple(e.sp.local.shape), e.sp.orig_dtype, owned_block(e.sp)
+                dtype, block = e.sp.orig_dtype, owned_block(e.sp)
+                shape = tuple(s.stop - s.start for s in block)
             else:
                 shape, dtype = e.shape or (1,), e.tensor.dtype
                 block = tuple(slice(0, n) for n in e.shape)
@@ -199,7 +203,8 @@ def _meta_buffers(model: nn.Module, stored: set[str]) -> list[tuple[str, nn.Modu
 
 
 def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
-                    allow_nonfinite: bool = False) -> LoadResult:
+                    allow_nonfinite: bool = False, quantize: str | NF4 | None = None
+                    ) -> LoadResult:
     """Load pretrained weights from `path` into the sharded `model`; every rank of the model
     must call it (on a subgroup, no other rank: the agreements run over the model's ranks).
 
@@ -221,6 +226,13 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
     how many values, before new shards replace meta parameters (pretrained_finite.py);
     True loads them anyway.
 
+    `quantize`: "nf4" (or `sw.NF4(block_size, scaler_block_size, skip)`) loads every frozen
+    `nn.Linear` weight but the output head as torchao's `NF4Tensor` (QLoRA's base): each
+    rank quantizes its own rows, which equal `torch.chunk(to_nf4(w), N)[rank]` of the whole
+    weight in the model's dtype ([Note: NF4 by rows] in quantize.py); a weight NF4 cannot
+    split evenly into whole scaler blocks is refused by name first. Freeze the base before
+    (peft does); the result's `quantized_keys` names what became NF4.
+
     Meta parameters become new Parameter objects: build the optimizer afterwards. A read
     failure (an I/O error) raises on every rank; parameters that were already materialized
     may then hold part of the new weights.
@@ -235,6 +247,13 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
         reshard_between_steps(model, "load_pretrained")
         view = model_view(model)
         plan = _plan(model, view, where, strict)
+        spec = resolve(quantize)
+        if spec is not None:
+            plan.quantized = targets(model, spec)
+            unread = [k for k in plan.quantized if k not in plan.sources]
+            if unread:
+                raise ValueError(f"quantize=nf4: {_names(unread)} are not in {where}; "
+                                 "only weights loaded from it are quantized")
     assert plan is not None
     units = units_of(model)
     device = units[0].mesh.device if units else torch.device("cpu")
@@ -242,6 +261,8 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
     reader = BlockReader(DEFAULT_BUFFER_BYTES)
     staged: list[tuple[ShardedParam, torch.Tensor]] = []
     plain: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    # key -> (NF4 codes, block absmaxes) of this rank's rows; the rows themselves are freed.
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with agreed(as_error, group=group):
         try:
             with torch.no_grad():
@@ -249,7 +270,12 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
                     st = plan.sources.get(e.key)
                     if st is None:
                         continue
-                    if e.sp is not None:
+                    if e.key in plan.quantized:
+                        rows = torch.empty((e.sp.local_rows, *e.sp.rest),
+                                           dtype=e.sp.orig_dtype, device=e.sp.host_device)
+                        reader.read_into(st, owned_block(e.sp), rows)
+                        parts[e.key] = rows_part(rows, spec)
+                    elif e.sp is not None:
                         _read_sharded(reader, st, e.sp, staged)
                     else:
                         value = torch.empty(e.shape or (1,), dtype=e.tensor.dtype)
@@ -261,12 +287,19 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
         in_place = any(e.key in plan.sources and not _is_meta(e) for e in view.entries)
         agree_finite(reader.nonfinite, where, group, in_place)
 
-    # Everything was read: commit (no collectives, nothing that can fail on bad data).
+    # Everything was read: the NF4 shards need one all-gather each (every rank, in the
+    # view's order), then commit (no collectives, nothing that can fail on bad data).
     with torch.no_grad():
+        nf4 = {k: finish(plan.quantized[k], codes, absmax, spec, plan.quantized[k].orig_dtype)
+               for k, (codes, absmax) in parts.items()}
         for sp, padded in staged:
             sp.materialize(padded)
         for key, t, value in plain:
             set_plain(model, key, t, value, device)
+        for key, q in nf4.items():
+            plan.quantized[key].adopt_subclass_shard(q)
+        for u in {id(sp.owner): sp.owner for sp in plan.quantized.values()}.values():
+            u.set_params(u.params)  # the NF4 weights now gather through their hooks
     _compute_buffers(model, plan.meta_buffers, device)
     r = plan.result
     log.info("loaded %d tensors from %s (%d bytes read on this rank; %d missing, %d "
@@ -276,7 +309,7 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
         log.warning("unexpected keys in %s, not loaded: %s", os.fspath(path),
                     _names(r.unexpected_keys))
     return LoadResult(r.loaded_keys, r.missing_keys, r.unexpected_keys, r.mismatched_keys,
-                      r.computed_buffers, reader.bytes_read, r.files)
+                      r.computed_buffers, reader.bytes_read, r.files, list(nf4))
 
 
 def _read_sharded(reader: BlockReader, st: StoredTensor, sp: ShardedParam,
@@ -288,7 +321,8 @@ def _read_sharded(reader: BlockReader, st: StoredTensor, sp: ShardedParam,
         local = padded[: sp.local_rows]
     else:
         local = sp.local
-    reader.read_into(st, owned_block(sp), local)
+    if sp.local_rows:  # an empty shard reads nothing (its rows on another dim: not dim 0)
+        reader.read_into(st, owned_block(sp), sp.from_rows(local))
 
 
 def _compute_buffers(model: nn.Module, meta: list[tuple[str, nn.Module, str]],

@@ -1,0 +1,155 @@
+"""A frozen base quantized to NF4 as it loads (QLoRA): each rank quantizes only its rows.
+
+[Note: NF4 by rows] torchao's `to_nf4(w, block_size, scaler_block_size)` cuts the flattened
+weight into blocks of `block_size` values, each scaled by its absmax; the absmaxes ("scalers")
+are then double-quantized to int8 in blocks of `scaler_block_size`, after subtracting their
+mean over the *whole* tensor. Everything but that mean is local to a block. So a rank holding
+dim-0 rows that are whole scaler blocks (NF4's own sharding rule, FSDP2's too) computes its
+block absmaxes, all-gathers them over its shard group (numel / block_size values, 1/32 of
+the weight's bf16 bytes), takes their mean exactly as torchao does, and double-quantizes
+its own blocks: the shard equals `torch.chunk(to_nf4(w), S)[rank]` bit for bit, without
+any rank reading more than its rows of the checkpoint. The quantized base is frozen: only
+tensors that do not require grad are quantized.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..engine.comm import collectives as C
+from ..engine.core.sharded_param import ShardedParam
+
+QUANTIZE_KINDS = ("nf4",)
+
+
+@dataclass(frozen=True)
+class NF4:
+    """NF4 (QLoRA) quantization of a model's frozen linear weights, for `load_pretrained`.
+
+    block_size / scaler_block_size: torchao's `to_nf4` arguments (its defaults 64 and 256).
+    skip: module names (a full name, or its last parts after a dot) whose weight stays in
+    the model's dtype; the output head by default, as transformers' 4-bit loading keeps it.
+    """
+
+    block_size: int = 64
+    scaler_block_size: int = 256
+    skip: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "scaler_block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 2 or v % 2:
+                raise ValueError(f"NF4.{name}={v!r} is not allowed: an even int >= 2")
+        if isinstance(self.skip, str) or not all(isinstance(s, str) for s in self.skip):
+            raise ValueError(f"NF4.skip={self.skip!r} is not allowed: a tuple of module names")
+
+    @property
+    def whole(self) -> int:
+        """Values per scaler block: each shard must hold a multiple of it."""
+        return self.block_size * self.scaler_block_size
+
+
+def resolve(quantize: object) -> NF4 | None:
+    """`load_pretrained`'s `quantize` argument as a spec (None: no quantization)."""
+    if quantize is None or isinstance(quantize, NF4):
+        return quantize
+    if quantize == "nf4":
+        return NF4()
+    raise ValueError(f"quantize={quantize!r} is not allowed: None, 'nf4' or sw.NF4(...)")
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return any(name == s or name.endswith("." + s) for s in skip)
+
+
+def targets(model: nn.Module, spec: NF4) -> dict[str, ShardedParam]:
+    """state-dict key -> sharded parameter, for every frozen `nn.Linear` weight outside
+    `spec.skip`. ValueError (before any collective) naming every weight NF4 cannot shard
+    as it stands: not 2-D rows of whole scaler blocks per rank, tensor parallel, already a
+    subclass."""
+    out: dict[str, ShardedParam] = {}
+    bad: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or _skipped(name, spec.skip):
+            continue
+        sp = getattr(m.weight, "_sw_param", None)
+        if sp is None or sp.requires_grad:
+            continue  # not sharded (ignored) or trained: stays as it is
+        key = f"{name}.weight"
+        S = sp.shard_size
+        rows, cols = sp.global_shape
+        if sp.tp is not None or sp.subclass or getattr(sp, "shard_dim", 0) != 0:
+            bad.append(f"{key} (tensor parallel, already a tensor subclass, or sharded on "
+                       "another dim)")
+        elif rows % S or (rows // S * cols) % spec.whole:
+            bad.append(f"{key} {[rows, cols]}")
+        else:
+            out[key] = sp
+    if bad:
+        raise ValueError(
+            f"quantize=nf4 cannot shard {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
+            f"over {S} ranks: NF4 splits a weight only evenly, and each rank's rows must hold "
+            f"whole scaler blocks (dim 0 divisible by the ranks, rows/rank x columns a "
+            f"multiple of block_size x scaler_block_size = {spec.whole}). Use another number "
+            f"of ranks, smaller blocks (sw.NF4(block_size=..., scaler_block_size=...)), or "
+            f"leave those modules in the model's dtype (sw.NF4(skip=...))")
+    if not out:
+        raise ValueError("quantize=nf4 found no frozen nn.Linear weight to quantize: freeze "
+                         "the base first (peft's get_peft_model does), or load without it")
+    return out
+
+
+@functools.cache
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """torchao's 16 NF4 levels in `dtype` (read off a tiny to_nf4, not restated here)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    return to_nf4(torch.ones(4, dtype=dtype), 2, 2).nf4
+
+
+def rows_part(local: torch.Tensor, spec: NF4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NF4 codes, block absmaxes) of this rank's rows `local` ((rows, cols), the
+    parameter's dtype): the part of [Note: NF4 by rows] that needs no other rank, so the
+    rows can be freed as soon as they are read."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+        NF4Tensor,
+        get_block_absmax,
+    )
+
+    flat = local.reshape(-1)
+    n_local = flat.numel() // spec.block_size
+    absmax = get_block_absmax(flat, spec.block_size)  # (n_local,)
+    codes = NF4Tensor.convert_to_norm_float_weight(local, n_local, spec.block_size,
+                                                   _lut(local.dtype).to(local.device))
+    return codes, absmax
+
+
+def finish(sp: ShardedParam, codes: torch.Tensor, absmax: torch.Tensor, spec: NF4,
+           dtype: torch.dtype) -> torch.Tensor:
+    """This rank's NF4 shard from `rows_part`'s output: equal to torchao's chunk of the
+    whole weight quantized in one process. One all-gather over the parameter's shard
+    group: every rank of it calls this for the same parameters in the same order."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+        NF4Tensor,
+        SubclassTensorArgs,
+        get_block_absmax,
+    )
+
+    S, sbs = sp.shard_size, spec.scaler_block_size
+    n_local = absmax.numel()
+    every = torch.empty(n_local * S, dtype=absmax.dtype, device=absmax.device)
+    group = sp.owner.mesh.shard_group if sp.owner is not None else None
+    C.all_gather(every, absmax, group, False, label=f"nf4 scalers {sp.fqn}").wait()
+    mean = every.mean()  # the whole tensor's, as to_nf4 takes it
+    centered = (absmax - mean).view(-1, sbs)  # (scaler blocks, sbs)
+    factor = 256 / (2 * get_block_absmax(centered.reshape(-1), sbs))  # (scaler blocks,)
+    scalers = (centered * factor.unsqueeze(-1)).round().clamp(-128, 127)
+    shape = torch.Size((sp.local_rows, *sp.rest))
+    meta = SubclassTensorArgs(shape, (shape[1], 1), 0, dtype, absmax.device, False)
+    return NF4Tensor(meta, spec.block_size, n_local * S, sbs,
+                     scalers.flatten().to(torch.int8), factor.contiguous(), mean, codes,
+                     _lut(dtype).to(absmax.device))
