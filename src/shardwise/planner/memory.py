@@ -4,7 +4,9 @@
 padded to S * C rows, C = ceil(D0 / S); each rank *allocates* a (C, ...) buffer and owns the
 valid rows [r*C, min((r+1)*C, D0)) of it. Rank 0 always owns a full C rows, so it holds the
 most: plans are for rank 0 (`rank=` plans another). The optimizer sees only the valid rows,
-so its state is sized by them.
+so its state is sized by them. Rows are slices along the parameter's shard dim, chosen by the
+engine's own rule ([Note: balanced shards], engine/core/layout.py); `balance.py` reports how
+far rank 0 still sits above the mean.
 
 ZeRO's accounting (Rajbhandari et al. 2020) for mixed-precision Adam is 16 bytes per
 parameter: 2 (fp16 params) + 2 (fp16 grads) + 12 (fp32 master, momentum, variance). Here the
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.core.layout import balanced_shard_dim
 from ..engine.core.policies import MixedPrecisionPolicy
 from .units import PlanUnit
 
@@ -86,13 +89,15 @@ class UnitCost:
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
               mp: MixedPrecisionPolicy | None, host_offload: bool,
-              plain: bool = True, replicate_size: int = 1) -> UnitCost:
+              plain: bool = True, replicate_size: int = 1, balance: bool = True) -> UnitCost:
     """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`.
 
     plain: the sharded parameters are plain tensors (NO_SHARD without TP); False where they
     are DTensors (every other strategy, on a one-rank mesh too), which are never direct.
     replicate_size: replicas of the shard group (NO_SHARD: the world); with more than one,
     even direct gradients go through the packed all-reduce, flags included.
+    balance: each parameter sharded on the engine's default dim ([Note: balanced shards] in
+    engine/core/layout.py); False: dim 0, as the engine does under tensor parallelism.
     """
     S, r = shard_size, shard_rank
     shard = state = state_params = largest = unsharded = full_grads = 0
@@ -105,7 +110,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     indirect: set[torch.dtype] = set()  # compute dtypes with a grad param that is not direct
     for p in unit.spec.params:
         dims = p.shape if p.shape else (1,)  # a 0-d parameter is sharded as shape (1,)
-        dim0, row = dims[0], math.prod(dims[1:])
+        d = balanced_shard_dim(dims, S) if balance else 0
+        dim0, row = dims[d], math.prod(n for i, n in enumerate(dims) if i != d)
         C = -(-dim0 // S)
         local = (min((r + 1) * C, dim0) - min(r * C, dim0)) * row
         orig = _size(p.dtype)

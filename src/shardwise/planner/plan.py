@@ -25,6 +25,7 @@ from ..engine.core.policies import (
 from . import timing as T
 from . import tp as TP
 from .activations import largest_batch, step_activations
+from .balance import shard_balance
 from .estimate import link_profiles, step_time
 from .memory import model_states, parse_optimizer, unit_cost
 from .profiles import (
@@ -213,9 +214,13 @@ def plan_one(
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     # [Note: DTensor parameters]: only NO_SHARD without TP keeps plain (maybe direct) ones.
     plain = strategy is ShardingStrategy.NO_SHARD and tp == 1
-    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain, R) for u in mu.units]
+    balance = tp == 1  # the engine shards TP parameters on dim 0 ([Note: balanced shards])
+    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain, R, balance) for u in mu.units]
     foreach = dev.optimizer_foreach if dev is not None else True
     states = model_states(costs, opt, foreach)
+    spread = shard_balance(list(mu.units), S, lambda r: model_states(
+        [unit_cost(u, S, r, mp, host_offload, plain, R, balance) for u in mu.units],
+        opt, foreach).model_states_bytes, balance)
     act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32
     act_bytes = torch.empty((), dtype=act_dtype, device="meta").element_size()
     notes = list(mu.notes)
@@ -325,5 +330,6 @@ def plan_one(
         max_batch_size=max_batch, notes=tuple(notes), verdict=verdict,
         tensor_parallel=tp, tp_comm=tpc, sequence_parallel=sequence_parallel and tp > 1,
         tp_embeddings=tp_embeddings if tp > 1 else None,
+        shard_imbalance=spread.ratio, least_even=spread.describe(),
     )
 

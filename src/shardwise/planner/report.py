@@ -64,6 +64,8 @@ def table(p: Plan) -> list[str]:
     ]
     out = [f"{p.sharding_strategy} per rank (rank 0 holds the most; shard {p.shard_size} x "
            f"replicate {p.replicate_size}):"]
+    if p.least_even:
+        out.append(f"  {p.least_even}")
     if p.tensor_parallel > 1 and p.tp_embeddings is not None:
         from .tp import describe_tables
 

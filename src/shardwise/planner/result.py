@@ -81,6 +81,11 @@ class Plan:
     # With TP: "split" (the embedding and output head split by vocabulary rows, torchtitan's
     # plan) or "replicate" (whole on every TP rank); None without TP.
     tp_embeddings: str | None = None
+    # Model states of rank 0 (the most) over the shard group's mean ([Note: balanced
+    # shards]); 1.0 is perfectly even. `least_even`: the same in words, with the parameter
+    # whose shards are least even (planner/balance.py).
+    shard_imbalance: float = 1.0
+    least_even: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: plain ints, floats, strings, lists and dicts."""
