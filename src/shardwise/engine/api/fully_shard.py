@@ -16,6 +16,8 @@ from ..core.checks import check_module, check_params, check_shard_placement
 from ..core.context import ModelContext
 from ..core.extension import is_subclass
 from ..core.hooks import forward_post_hook, forward_pre_hook
+from ..core.hpz import check_hpz
+from ..core.hpz import enable as enable_hpz
 from ..core.inspect import unit_of, units_of
 from ..core.layout import shard_dim_for
 from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
@@ -152,8 +154,13 @@ def fully_shard(
     tp = context_for(modules[0], mesh)
     info = mesh_info_for(mesh)
     raf = check_reshard_after_forward(reshard_after_forward, info.shard_size)
+    hpz = raf if type(raf) is int else None  # [Note: hpZ] in core/hpz.py
+    if hpz is not None:
+        check_hpz(hpz, info, tp, type(modules[0]).__name__)
     _shard(modules, info, True if raf is None else bool(raf), mp, offload,
            _mark_ignored(ignored), None, tp, auto=raf is None, placements=placements)
+    if hpz is not None:
+        enable_hpz(own_unit(modules[0]), hpz)  # type: ignore[arg-type]
     return module
 
 

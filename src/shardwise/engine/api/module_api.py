@@ -102,14 +102,18 @@ class FSDP2Methods(CommMethods, FSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
                                   ) -> None:
         """True: free full parameters after forward (FULL_SHARD); False: keep them until
-        backward (SHARD_GRAD_OP). As in FSDP2, an explicit True applies to the root too."""
+        backward (SHARD_GRAD_OP). As in FSDP2, an explicit True applies to the root too,
+        only a bool is taken (an int group size is fully_shard's alone), and either value
+        replaces an hpZ group size given to fully_shard ([Note: hpZ] in core/hpz.py)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward).__name__} "
-                             f"({reshard_after_forward!r})")
+                             f"({reshard_after_forward!r}); an int group size (hpZ) is "
+                             "taken by fully_shard only, as in FSDP2")
         for u in self._sw_units(recurse):
             u.reshard_after_forward = reshard_after_forward
             u.auto_reshard_after_forward = False
+            u.hpz = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -129,18 +133,24 @@ class FSDP2Methods(CommMethods, FSDPModule):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
                                 ) -> None:
-        """FSDP2: skip HYBRID_SHARD's all-reduce across replicas. Only True is supported
-        where there are replicas; without replicas there is nothing to skip."""
+        """False: under HYBRID_SHARD, each backward still reduce-scatters within the shard
+        group but skips the all-reduce across replicas; the partial sums accumulate, and
+        the next backward with True all-reduces them all at once (FSDP2's meaning;
+        [Note: deferred all-reduce] in core/reduce.py). Without replicas there is nothing
+        to skip; NO_SHARD (replicas, no shard group) is refused."""
         check_bool("requires_all_reduce", requires_all_reduce)
-        if requires_all_reduce:
-            return
-        for u in self._sw_units(recurse):
-            if u.mesh.replicate_size > 1:
-                raise NotImplementedError(
-                    f"set_requires_all_reduce(False) on unit {u.label!r} (HYBRID_SHARD, "
-                    f"{u.mesh.replicate_size} replicas) is not supported: use "
-                    "set_requires_gradient_sync(False) / sw.no_sync(model) to accumulate "
-                    "without any communication")
+        units = list(self._sw_units(recurse))
+        if not requires_all_reduce:
+            for u in units:
+                if u.mesh.replicate_size > 1 and u.mesh.shard_size == 1:
+                    raise NotImplementedError(
+                        f"set_requires_all_reduce(False) on unit {u.label!r}: its "
+                        f"{u.mesh.replicate_size} replicas have no shard group (NO_SHARD), "
+                        "so the all-reduce is the only reduction; use "
+                        "set_requires_gradient_sync(False) / sw.no_sync(model) to "
+                        "accumulate without communication")
+        for u in units:
+            u.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility: shardwise waits for every reduction at the end
@@ -177,9 +187,9 @@ class FSDP2Methods(CommMethods, FSDPModule):
 
 
 def check_reshard_after_forward(value: object, shard_size: int | None = None) -> object:
-    """FSDP2's forms: None (root False, others True), a bool, or an int group size that
-    FSDP2 maps to a bool (1: False, the shard-group size: True). A proper divisor, resharding
-    to a smaller group, is refused (see docs/porting.md)."""
+    """FSDP2's forms: None (root False, others True), a bool, or an int group size: 1 is
+    False, the shard-group size True, and a proper divisor k stays k (hpZ: reshard to
+    blocks of k ranks after forward, [Note: hpZ] in core/hpz.py)."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -194,11 +204,7 @@ def check_reshard_after_forward(value: object, shard_size: int | None = None) ->
         return False
     if value == shard_size:
         return True
-    raise NotImplementedError(
-        f"reshard_after_forward={value} (reshard to groups of {value} of the {shard_size} "
-        "shard ranks after forward) is not implemented: shardwise keeps one shard group per "
-        "unit. Use True (reshard fully, re-gather over all ranks in backward) or False (keep "
-        "the full parameters until backward)")
+    return value
 
 
 def _check_sharded_modules(what: str, modules: Iterable[Any]) -> None:

@@ -202,6 +202,8 @@ class ModelContext:
                 pr.unit.pool.release(pr.send)
         for u in self.units:
             u.reshard()
+            u.post_forward = None
+            u.partial_reduce.clear()  # deferred reductions of the failed step (FSDP2 too)
             for p in u.params:
                 if not p.direct:
                     p.unsharded.grad = None

@@ -153,6 +153,10 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
                    waited)
         unit.pool.release(pr.send)
         if mesh.replicate_size > 1:
+            if not unit.requires_all_reduce:
+                _defer(unit, pr, out)
+                return
+            out = _take_deferred(unit, pr, out)
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
             # Synchronous: the whole call is exposed.
@@ -188,6 +192,29 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
                     p.mark_reduced()
             else:
                 have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+
+
+def _defer(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> None:
+    """[Note: deferred all-reduce] `set_requires_all_reduce(False)` under HYBRID_SHARD
+    (FSDP2's meaning): the reduce-scatter within the shard group ran; its result, summed
+    over this replica's ranks and not yet divided, is added to what earlier micro-batches
+    left, in the reduce dtype (FSDP2 accumulates its partial output in that dtype too), and
+    neither the all-reduce across replicas nor the gradients' update happens now. The next
+    reduction that all-reduces adds it in first, so one all-reduce carries every deferred
+    micro-batch, and the [Note: unused gradients] flags add up the same way."""
+    key = id(pr.bucket)
+    have = unit.partial_reduce.get(key)
+    if have is None:
+        unit.partial_reduce[key] = out
+    else:
+        have.add_(out)
+
+
+def _take_deferred(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> torch.Tensor:
+    have = unit.partial_reduce.pop(id(pr.bucket), None)
+    if have is not None:
+        out.add_(have)
+    return out
 
 
 def _run_hook(unit: Unit, hook: Callable[[torch.Tensor], None],

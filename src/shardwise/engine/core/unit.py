@@ -25,6 +25,7 @@ from .bucket import FlatBucket, PendingGather
 from .buffers import BufferPool
 from .events import Event, Span, now
 from .extension import ExtGather, pack, unpack
+from .hpz import Hpz, keep
 from .mesh import MeshInfo
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .reduce import PendingReduce, finish_reduce, reduce_bucket
@@ -97,6 +98,17 @@ class Unit:
         # CUDA with CPU offload: events after this backward's non-blocking gradient copies
         # to the host (reduce.py), synchronized once at the end of backward.
         self.offload_events: list[Any] = []
+        # hpZ ([Note: hpZ] in hpz.py): the block of ranks forward reshards to (None: the
+        # whole shard group), and per bucket the rows kept between forward and backward.
+        self.hpz: Hpz | None = None
+        self.post_forward: list[torch.Tensor | None] | None = None
+        # Ranks of the all-gather last issued (the shard group, or the hpZ block): events.
+        self._gather_size = mesh.shard_size
+        # False (set_requires_all_reduce, HYBRID_SHARD): reduce-scatter, but keep the
+        # result here, per bucket, instead of all-reducing it across replicas; the next
+        # reduction that all-reduces adds it in (reduce.py, [Note: deferred all-reduce]).
+        self.requires_all_reduce = True
+        self.partial_reduce: dict[int, torch.Tensor] = {}
         self.params: list[ShardedParam] = []
         self.set_params(params)
 
@@ -106,6 +118,8 @@ class Unit:
         """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
         assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
         self.params = list(params)
+        self.post_forward = None
+        assert not self.partial_reduce, "layout changes only without deferred reductions"
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.params:
             by_dtype.setdefault(p.compute_dtype, []).append(p)
@@ -162,8 +176,9 @@ class Unit:
         ctx = self.ctx
         if ctx is not None and ctx.sinks:
             # The group the buffer was split over ([Note: communication bytes]).
-            group = (self.mesh.replicate_size if collective == "all_reduce"
-                     else self.mesh.shard_size) if collective else 0
+            group = ({"all_reduce": self.mesh.replicate_size,
+                      "all_gather": self._gather_size}.get(collective, self.mesh.shard_size)
+                     if collective else 0)
             ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start,
                        now() if end is None else end, ctx.step, wait, group)
             for sink in ctx.sinks:
@@ -176,37 +191,51 @@ class Unit:
         if self.state is not ShardedState.SHARDED:
             return
         S, transport = self.mesh.shard_size, self.transport
+        # [Note: hpZ] The rows kept after forward serve the backward that follows only.
+        kept, self.post_forward = self.post_forward, None
+        if kept is not None and not (self.ctx is not None and self.ctx.schedule.in_backward):
+            kept = None
+        if kept is not None:
+            assert self.hpz is not None
+            transport = self.hpz.transport
+        self._gather_size = transport.size if S > 1 else 1
         streams = self.ctx.streams if self.ctx is not None else None
         if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
             # An explicit unshard() between steps: the shards may have just been written.
             streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
-        for g in self.buckets:
+        for i, g in enumerate(self.buckets):
             if S == 1 or g.numel == 0:
                 continue  # nothing to gather; wait_unshard() casts/copies locally
             start = now()
+            # What this rank sends: its shard, or under hpZ its block rows (S/k shards).
+            n = g.numel if kept is None else g.numel * (S // transport.size)
             with _on(streams and streams.copy_in):  # [Note: streams]
                 out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-                send = transport.gather_buffer(g.numel, g.dtype, self.mesh.device, self.pool)
-                shard = send[: g.numel]
+                send = transport.gather_buffer(n, g.dtype, self.mesh.device, self.pool)
+                shard = send[:n]
                 with torch.no_grad():
-                    # Casts to the compute dtype and, under offload, copies host -> device.
-                    torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
-                                          in zip(g.gathered, g.offsets)],
-                                         [p.padded_shard.reshape(-1) for p in g.gathered],
-                                         non_blocking=True)
+                    if kept is not None:
+                        shard.copy_(kept[i], non_blocking=True)  # type: ignore[arg-type]
+                    else:
+                        # Casts to the compute dtype and, under offload, copies host -> device.
+                        torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
+                                              in zip(g.gathered, g.offsets)],
+                                             [p.padded_shard.reshape(-1) for p in g.gathered],
+                                             non_blocking=True)
             # all-to-all also replicates the shard into every peer's row.
-            self.copied["gather_in"] += (g.numel * shard.element_size()
-                                         * (S if transport.name == "all_to_all" else 1))
+            self.copied["gather_in"] += (n * shard.element_size()
+                                         * (transport.size if transport.name == "all_to_all"
+                                            else 1))
             if streams is not None:
                 streams.all_gather.wait_stream(streams.copy_in)
                 with _on(streams.all_gather):
                     # Synchronous on NCCL means: the all-gather stream waits, not the host.
-                    work = transport.all_gather(out, send, g.numel, False, label=self.label)
+                    work = transport.all_gather(out, send, n, False, label=self.label)
                     done = record(streams.all_gather)
                 self._gathers.append(PendingGather(g, send, out, work, start, 0.0, done))
                 continue
             with Span() as call:
-                work = transport.all_gather(out, send, g.numel, async_op, label=self.label)
+                work = transport.all_gather(out, send, n, async_op, label=self.label)
             # A synchronous gather blocks inside the call: all of it is exposed.
             self._gathers.append(PendingGather(g, send, out, work, start,
                                                0.0 if async_op else call.seconds))
@@ -317,13 +346,19 @@ class Unit:
         return False
 
     def reshard(self) -> None:
-        """Free the full parameters; the modules see the shards again."""
+        """Free the full parameters; the modules see the shards again. In forward under
+        hpZ, this rank's block rows are kept for backward first ([Note: hpZ])."""
         if self.state is ShardedState.SHARDED:
+            if self.training_state is not TrainingState.FORWARD:
+                self.post_forward = None  # backward is over (or never came)
             return
         if self.state is ShardedState.GATHERING:
             # Collectives must complete on every rank before their buffers go back.
             self.wait_unshard()
         start = now()
+        if (self.hpz is not None and self.training_state is TrainingState.FORWARD
+                and torch.is_grad_enabled() and not self.ext_params):
+            self.post_forward = keep(self, self.hpz)
         for p in self.params:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.sharded
