@@ -144,26 +144,29 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, mesh: str, raf: str
 
 
 def requires_all_reduce_hsdp(rank: int, world: int, ex: Expect) -> None:
-    """Upstream's reduce_scatter_only axis: set_requires_all_reduce(False) under HSDP, which
-    shardwise documents as refused. The refusal must be a clear error at the call, before
-    any collective, and leave the model usable."""
+    """Upstream's reduce_scatter_only axis: set_requires_all_reduce(False) under HSDP
+    reduce-scatters every micro-batch but all-reduces across replicas only on the last one
+    (issue 36; tests/dist/test_hsdp_defer.py holds it against FSDP2 and reduce dtypes)."""
     dmesh = make_mesh("hsdp", world)
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(9, 9), MLP(9))
     ref = copy.deepcopy(model)
     sw.fully_shard(model[1], mesh=dmesh)
     sw.fully_shard(model, mesh=dmesh)
-    try:
-        model.set_requires_all_reduce(False)
-        ex.true(False, "set_requires_all_reduce(False) under HSDP was accepted silently")
-    except NotImplementedError as e:
-        ex.true("set_requires_gradient_sync" in str(e), f"refusal does not say what to use: {e}")
-    model.set_requires_all_reduce(True)
-    xs = global_batch(1, world, randn(2, 9))
-    model(xs[rank]).sum().backward()
-    DataParallelRef(ref, world).step(xs, _sum)
+    labels = {m._sw_unit.label for m in sharded_modules(model)}
+    dp = DataParallelRef(ref, world)
     S = dmesh.size(1)
-    check_sharded_parity(ex, ref, model, rank % S, S, "after the refusal")
+    for mb in range(3):
+        last = mb == 2
+        model.set_requires_all_reduce(last)
+        xs = global_batch(mb, world, randn(2, 9))
+        with record_collectives() as log:
+            model(xs[rank]).sum().backward()
+        dp.step(xs, _sum)
+        got = unit_counts(log, labels)
+        ex.true(got["reduce_scatter"] == 2, f"mb {mb}: {got}")
+        ex.true(got["all_reduce"] == (2 if last else 0), f"mb {mb}: {got}")
+    check_sharded_parity(ex, ref, model, rank % S, S, "after the deferred all-reduce")
 
 
 def requires_gradient_sync_recurse(rank: int, world: int, ex: Expect, raf: str,

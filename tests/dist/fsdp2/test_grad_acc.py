@@ -7,8 +7,8 @@ reshard_after_forward=True. reshard_after_forward's int form is taken at the sha
 size ("int", FSDP2's True) and at 1 ("int1", FSDP2's False); a proper divisor (upstream's 2
 at 4 ranks) is refused by shardwise (docs/porting.md). HSDP meshes: (world, 1) and
 (1, world) at 2 and 3 ranks, (2, 2) at 4 ranks as upstream. Upstream's reduce_scatter_only
-axis (set_requires_all_reduce(False) under HSDP) is documented as refused: checked as a clear
-error instead. test_fully_shard_mixed_precision.py's test_grad_acc_with_reduce_dtype with its
+axis (set_requires_all_reduce(False) under HSDP) defers the all-reduce to the last
+micro-batch (issue 36). test_fully_shard_mixed_precision.py's test_grad_acc_with_reduce_dtype with its
 set_reshard_after_backward(last or reshard_after_forward) is here too, and so are the numbers
 of test_fully_shard_pending_grad.py's test_native_accumulation_dtypes (its
 get_pending_gradients API is newer than torch 2.13), and pipeline schedules with several
@@ -49,7 +49,7 @@ def _accumulation_cases() -> list[Case]:
 
 CASES: list[Case] = [
     *_accumulation_cases(),
-    Case("requires_all_reduce_hsdp_refused", W.requires_all_reduce_hsdp, worlds=(4,)),
+    Case("requires_all_reduce_hsdp", W.requires_all_reduce_hsdp, worlds=(4,)),
     *grid("requires_gradient_sync", W.requires_gradient_sync_recurse,
           raf=["true", "false", "int"], offload=[False], recurse=BOOLS),
     *grid("requires_gradient_sync", W.requires_gradient_sync_recurse, worlds=(3,),
