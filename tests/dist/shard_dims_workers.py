@@ -193,3 +193,76 @@ def parity(rank: int, world: int, cases: list[tuple[str, int, Shard_, int, bool]
 
 def world_mesh() -> Any:
     return init_device_mesh("cpu", (C.world_size(),))
+
+
+def hsdp_experts_mesh() -> Any:
+    """(replicate 2, shard 2) over 4 ranks: experts sharded on 2 ranks, HSDP-style."""
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def state_round_trips(rank: int, world: int, path: str, dim: int | None) -> dict[str, Any]:
+    """Train a step with experts on Shard(dim) (None: the balanced default), then: the full
+    state dict equals the gathered DTensors; model.state_dict() loads back (assign); the
+    sharded checkpoint (with SGD momentum) saves; exported safetensors equal the full
+    state. Returns the full state and momentum for a load at another world size."""
+    torch.manual_seed(0)
+    model = Model(2)
+    shard_blocks(dim)(model, sw.fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = batch(0, world)[rank * PER_RANK:(rank + 1) * PER_RANK]
+    loss_of(model, ids).backward()
+    opt.step()
+    fsd = sw.full_state_dict(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(fsd[n], p.full_tensor()), n
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(sd, assign=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), fsd[n]), f"state_dict round trip: {n}"
+    sw.save_checkpoint(path, model, opt, step=1)
+    moments = {n: opt.state[p]["momentum_buffer"].full_tensor() for n, p in
+               model.named_parameters()}
+    # Plain lists: tensors would cross processes as shared memory of a rank that exits.
+    return {"full": {n: t.tolist() for n, t in fsd.items()},
+            "momentum": {n: t.tolist() for n, t in moments.items()}}
+
+
+def load_elsewhere(rank: int, world: int, path: str, dim: int | None, want: dict[str, Any]
+                   ) -> None:
+    """Load the checkpoint into a model sharded another way; values must equal the saved."""
+    torch.manual_seed(1)
+    model = Model(2)
+    shard_blocks(dim)(model, sw.fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = batch(0, world)[rank * PER_RANK:(rank + 1) * PER_RANK]
+    loss_of(model, ids).backward()
+    opt.step()  # momentum state exists, with other values
+    opt.zero_grad()
+    sw.load_checkpoint(path, model, opt)
+    want = {k: {n: torch.tensor(v) for n, v in d.items()} for k, d in want.items()}
+    for n, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), want["full"][n]), f"param {n}"
+        got = opt.state[p]["momentum_buffer"].full_tensor()
+        assert torch.equal(got, want["momentum"][n]), f"momentum {n}"
+    export = path + ".safetensors"
+    sw.export_safetensors(export, model)
+    if rank == 0:
+        from safetensors.torch import load_file
+        flat = load_file(export)
+        for n, t in want["full"].items():
+            assert torch.equal(flat[n], t), f"export {n}"
+    C.barrier()
+
+
+def bad_placement(rank: int, world: int) -> list[str]:
+    """Errors up front, before any collective."""
+    msgs = []
+    for fn in (lambda p: Shard(3), lambda p: "Shard(1)"):
+        try:
+            sw.fully_shard(Model(2).blocks[0], shard_placement_fn=fn)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs

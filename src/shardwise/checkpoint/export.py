@@ -32,6 +32,7 @@ from . import atomic
 from .manifest import CheckpointError, model_name, read_manifest
 from .reader import RowReader, check_size, verify_file
 from .safetensors_io import Entry, StreamWriter, fsync_dir, write_text
+from .slots import read_rows
 
 if TYPE_CHECKING:
     from .sharded import PathLike
@@ -257,7 +258,12 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, *,
             if progress:
                 progress(ExportProgress("tensor", e.key, i, len(entries), e.nbytes))
             name = model_name(e.key)
-            for _, a, b in m.tensors[name].pieces:
+            info = m.tensors[name]
+            if info.dim:  # rows on another dim ([Note: checkpoint format]): whole, moved back
+                writer.write(e.key, read_rows(reader.read, name, info, None).contiguous())
+                reader.close()
+                continue
+            for _, a, b in info.pieces:
                 writer.write(e.key, reader.read(name, a, b, own=False))
                 # Unmap: pages of a memory-mapped file count as this process's memory.
                 reader.close()

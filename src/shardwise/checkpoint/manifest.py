@@ -9,7 +9,11 @@
 Every tensor is described in the *2-D row view* of [Note: layout]: a tensor of shape
 (D0, *rest) is D0 rows (a 0-d tensor is one row). Its entry in `tensors` names the global
 shape, the dtype and its pieces `[file, row_start, row_end]`: the rows stored under the
-tensor's own name in that file, in order, covering [0, D0) exactly. Names:
+tensor's own name in that file, in order, covering [0, D0) exactly. A tensor saved from
+parameters sharded on another dim d ([Note: balanced shards]) says `"dim": d`: its rows are
+slices along d, and each piece holds rows of `movedim(d, 0)` (shape (rows, *rest) with rest
+the other dims in order), as the ranks hold them; a rank sharding it on another dim reads
+it whole (slots.read_rows). Names:
 
     model/<state-dict key>          a parameter or buffer (tied parameters once: `aliases`)
     optim/<param fqn>/<state name>  optimizer state shaped like its parameter (AdamW moments)
@@ -62,18 +66,23 @@ class TensorInfo:
     dtype: torch.dtype
     # (file, row_start, row_end), sorted, covering [0, dim0) without gaps or overlaps.
     pieces: list[tuple[str, int, int]] = field(default_factory=list)
+    # The dim whose slices are the rows (0 unless saved from shards on another dim).
+    dim: int = 0
 
     @property
     def dim0(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return self.shape[self.dim] if self.shape else 1
 
     @property
     def rest(self) -> tuple[int, ...]:
-        return self.shape[1:]
+        return tuple(n for i, n in enumerate(self.shape) if i != self.dim)
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype),
-                "pieces": [list(p) for p in self.pieces]}
+        out = {"shape": list(self.shape), "dtype": dtype_name(self.dtype),
+               "pieces": [list(p) for p in self.pieces]}
+        if self.dim:
+            out["dim"] = self.dim  # absent for dim 0: checkpoints as before
+        return out
 
 
 @dataclass
@@ -163,7 +172,11 @@ def _parse(body: Any, path: str) -> Manifest:
     tensors = {}
     for name, t in body["tensors"].items():
         info = TensorInfo(tuple(int(x) for x in t["shape"]), dtype_from_name(t["dtype"]),
-                          [(str(f), int(a), int(b)) for f, a, b in t["pieces"]])
+                          [(str(f), int(a), int(b)) for f, a, b in t["pieces"]],
+                          int(t.get("dim", 0)))
+        if not 0 <= info.dim < max(len(info.shape), 1):
+            raise CheckpointError(f"{path}: {name} has rows on dim {info.dim}, which a "
+                                  f"tensor of shape {list(info.shape)} does not have")
         row = 0
         for f, a, b in info.pieces:
             if f not in files or a != row or b <= a:

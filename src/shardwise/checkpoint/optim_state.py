@@ -20,7 +20,7 @@ from ..engine.core.dtensor import wrap
 from ..engine.core.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
-from .slots import ModelView, Slot, full_slot, own_rows, rows_of, sharded_slot, stored_rows
+from .slots import ModelView, Slot, full_slot, read_rows, sharded_slot
 
 _SKIP_HYPER = ("params", "param_names")  # the membership, stored by FQN instead
 
@@ -136,9 +136,12 @@ def _like_param(rows: torch.Tensor, sp: ShardedParam | None, p: torch.Tensor) ->
     A DTensor parameter gets DTensor state of the same placement (torch's
     `load_state_dict` casts dtype and device, but would leave a plain tensor plain).
     """
-    if sp is None or sp.spec is None:
+    if sp is None:
         return rows.reshape(p.shape)
-    return wrap(rows.reshape(sp.local.shape).to(sp.host_device), sp.spec)
+    face = sp.from_rows(rows.reshape(sp.local.shape))  # the parameter's strides, as torch's
+    if sp.spec is None:
+        return face
+    return wrap(face.to(sp.host_device), sp.spec)
 
 
 def read_state(optimizer: torch.optim.Optimizer, view: ModelView, m: Manifest,
@@ -160,10 +163,8 @@ def read_state(optimizer: torch.optim.Optimizer, view: ModelView, m: Manifest,
             if desc is not None:
                 st = {name: _scalar(spec) for name, spec in desc["scalars"].items()}
                 for name in desc["tensors"]:
-                    if sp is not None:
-                        rows = own_rows(sp, read(optim_name(fqn, name), *stored_rows(sp)))
-                    else:
-                        rows = read(optim_name(fqn, name), 0, rows_of(p).shape[0])
+                    sname = optim_name(fqn, name)
+                    rows = read_rows(read, sname, m.tensors[sname], sp)
                     st[name] = _like_param(rows, sp, p)
                 state[index] = st
             ids.append(index)

@@ -40,7 +40,7 @@ from .manifest import (
 )
 from .reader import RowReader, check_size, verify_files
 from .safetensors_io import Entry, StreamWriter, dtype_from_name, dtype_name, fsync_dir, write_text
-from .slots import ModelView, Slot, model_view, own_rows, set_plain, stored_rows
+from .slots import ModelView, Slot, model_view, read_rows, set_plain
 from .sync import agreed, as_error
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _write_rank_file(partial: str, slots: list[Slot]) -> dict[str, Any]:
     mine = [s for s in slots if s.writes]
     stored = [s for s in mine if s.end > s.start]
     tensors = {s.name: {"shape": list(s.shape), "dtype": dtype_name(s.dtype),
-                        "rows": [s.start, s.end]} for s in mine}
+                        "rows": [s.start, s.end], "dim": s.dim} for s in mine}
     if not stored:
         return {"file": None, "tensors": tensors}
     name = rank_file(C.rank())
@@ -175,10 +175,12 @@ def _merge(reports: list[dict[str, Any]], view: ModelView, opt_json: dict[str, A
             files[rep["file"]] = {"bytes": rep["bytes"], "sha256": rep["sha256"]}
         for name, t in rep["tensors"].items():
             shape, dtype = tuple(t["shape"]), dtype_from_name(t["dtype"])
-            info = tensors.setdefault(name, TensorInfo(shape, dtype))
-            if (info.shape, info.dtype) != (shape, dtype):
+            dim = t.get("dim", 0)
+            info = tensors.setdefault(name, TensorInfo(shape, dtype, dim=dim))
+            if (info.shape, info.dtype, info.dim) != (shape, dtype, dim):
                 raise CheckpointError(f"ranks disagree on {name}: rank {rank} has "
-                                      f"{shape} {dtype}, another {info.shape} {info.dtype}")
+                                      f"{shape} {dtype} rows on dim {dim}, another "
+                                      f"{info.shape} {info.dtype} on dim {info.dim}")
             a, b = t["rows"]
             if b > a:
                 info.pieces.append((rep["file"], a, b))
@@ -268,11 +270,11 @@ def load_checkpoint(
         try:
             for e in view.entries:
                 name = stored[e.key]
+                rows = read_rows(reader.read, name, m.tensors[name], e.sp)
                 if e.sp is not None:
-                    staged.append((e.sp, own_rows(e.sp, reader.read(name, *stored_rows(e.sp)))))
+                    staged.append((e.sp, rows))
                 else:
-                    plain.append((e.key, e.tensor,
-                                  reader.read(name, 0, m.tensors[name].dim0)))
+                    plain.append((e.key, e.tensor, rows))
             if optimizer is not None:
                 opt_sd = optim_state.read_state(optimizer, view, m, reader.read)
         finally:

@@ -12,6 +12,7 @@ the model's first rank writes them (global rank 0 when the model runs on every r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,10 @@ from torch import nn
 from ..engine.comm import collectives as C
 from ..engine.core.dtensor import local_of
 from ..engine.core.inspect import named_sharded_params
+from ..engine.core.layout import from_rows
 from ..engine.core.sharded_param import ShardedParam
 from ..engine.ext.model_group import model_group
-from .manifest import model_name
+from .manifest import TensorInfo, model_name
 
 
 @dataclass
@@ -33,11 +35,8 @@ class Slot:
     start: int  # this rank's rows, [start, end) of the row view
     end: int
     writes: bool
-    local: torch.Tensor  # this rank's rows, (end - start, *shape[1:])
-
-    @property
-    def rest(self) -> tuple[int, ...]:
-        return self.shape[1:]
+    local: torch.Tensor  # this rank's rows, (end - start, *rest): slices along `dim`
+    dim: int = 0  # the dim the rows slice ([Note: checkpoint format])
 
 
 def writes_shards(sp: ShardedParam) -> bool:
@@ -52,14 +51,13 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_slot(name: str, sp: ShardedParam, local: torch.Tensor) -> Slot:
-    """`local` is shaped like sp.local: this rank's rows of a tensor shaped like sp.
-
-    A DTensor (a parameter or its optimizer state) contributes its local tensor.
-    """
-    rows = local_of(local.detach())
+    """`local` is shaped like sp.sharded (the parameter or its optimizer state, a DTensor
+    or plain): this rank's shard of a tensor shaped like sp, stored as sp's rows."""
+    rows = sp.to_rows(local_of(local.detach())).contiguous()  # a view back to rows: no copy
     start, end = stored_rows(sp)
     if sp.tp is None:
-        return Slot(name, tuple(sp.orig_shape), rows.dtype, start, end, writes_shards(sp), rows)
+        return Slot(name, tuple(sp.orig_shape), rows.dtype, start, end, writes_shards(sp), rows,
+                    sp.shard_dim)
     # TP ([Note: FSDP x TP]): stored as global rows; a rowwise weight's columns are joined
     # across tp (a collective over tp, in the same order on every rank) and TP rank 0 writes.
     rows = sp.tp.checkpoint_local(rows)
@@ -78,14 +76,37 @@ def owned_block(sp: ShardedParam) -> tuple[slice, ...]:
     """This rank's block of the stored (global) tensor, one slice per dim (a 0-d tensor is
     one row): `stored_rows(sp)`, and under TP the columns of a weight TP splits past dim 0.
 
-    Exactly the elements of `sp.local`, in its layout: what a rank reads of a full tensor.
+    Exactly the elements of `sp.local`, in the face's layout (`sp.from_rows(sp.local)`):
+    what a rank reads of a full tensor. Sharded on dim d != 0: its rows on d, all of dim 0.
     """
     start, end = stored_rows(sp)
     block = [slice(start, end), *(slice(0, n) for n in sp.global_shape[1:])]
+    if sp.shard_dim:
+        block[0] = slice(0, sp.global_shape[0])
+        block[sp.shard_dim] = slice(start, end)
     if sp.tp is not None and sp.tp.shard_dim not in (None, 0):
         d = sp.tp.shard_dim
         block[d] = slice(sp.tp.offset, sp.tp.offset + sp.orig_shape[d])
     return tuple(block)
+
+
+def read_rows(read: Callable[[str, int, int], torch.Tensor], name: str, info: TensorInfo,
+              sp: ShardedParam | None) -> torch.Tensor:
+    """What this rank loads of stored tensor `name`: sp's rows (as `sp.local` holds them),
+    or, for a plain tensor (sp None), the whole tensor in its own shape.
+
+    Stored on the dim the rank shards it on: only its rows are read. Stored on another
+    ([Note: checkpoint format]: saved at another world size, whose balanced dim differed, or
+    with another shard_placement_fn): read whole, moved back, and sliced.
+    """
+    if sp is not None and info.dim == sp.shard_dim:
+        return own_rows(sp, read(name, *stored_rows(sp)))
+    whole = from_rows(read(name, 0, info.dim0), info.dim).reshape(info.shape)
+    if sp is None:
+        return whole
+    if sp.tp is not None:
+        whole = sp.tp.local_piece(whole)
+    return sp.local_slice(whole).contiguous()
 
 
 def own_rows(sp: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
@@ -112,7 +133,7 @@ class ModelEntry:
 
     def slot(self) -> Slot:
         if self.sp is not None:
-            return sharded_slot(model_name(self.key), self.sp, self.sp.local)
+            return sharded_slot(model_name(self.key), self.sp, self.sp.sharded)
         return full_slot(model_name(self.key), self.tensor, self.writes_full)
 
 

@@ -33,7 +33,8 @@ def gather_full(sp: ShardedParam) -> torch.Tensor:
         full = torch.empty((sp.shard_size * sp.chunk_rows, *sp.rest), dtype=shard.dtype,
                            device=mesh.device)
         C.all_gather(full.view(-1), shard.reshape(-1), mesh.shard_group, async_op=False)
-    full = full[: sp.dim0].reshape(sp.orig_shape)
+    # Rows of the moved tensor for a shard dim other than 0: back in the parameter's order.
+    full = sp.from_rows(full[: sp.dim0]).reshape(sp.orig_shape).contiguous()
     # Under TP that is the TP-local tensor: join the TP pieces (a collective over tp).
     return sp.tp.full_tensor(full) if sp.tp is not None else full
 

@@ -27,7 +27,7 @@ def worker(steps: int) -> dict:
     sw.shard_model(model, sharding_strategy="FULL_SHARD", auto_wrap_policy=None)
     held = [
         {"param": name, "shape": list(sp.orig_shape), "rows": [sp.row_start, sp.row_end],
-         "numel": sp.local.numel()}
+         "dim": sp.shard_dim, "numel": sp.local.numel()}
         for name, sp in named_sharded_params(model)
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)

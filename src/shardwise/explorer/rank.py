@@ -114,7 +114,8 @@ class RankTrainer:
                 params.append({
                     "name": sp.fqn if not name else f"{name}.{sp.fqn}",
                     "shape": shape, "rows": [sp.row_start, sp.row_end],
-                    "dim0": shape[0] if shape else 1, "numel": sp.local.numel(),
+                    "dim0": shape[sp.shard_dim] if shape else 1, "dim": sp.shard_dim,
+                    "numel": sp.local.numel(),
                 })
             units.append({"name": name, "params": params})
         mesh = mesh_of(self.model)

@@ -94,12 +94,16 @@ def _post_load(module: nn.Module, incompatible: Any) -> None:
         with torch.no_grad():
             if DT.is_dtensor(now):
                 local = DT.local_of(now)
-                if tuple(local.shape) != tuple(sp.local.shape):
+                mine = tuple(sp.from_rows(sp.local).shape)  # the face's layout
+                placed = getattr(sp.sharded, "placements", None)
+                moved = sp.shard_dim != 0 and now.placements != placed
+                if tuple(local.shape) != mine or moved:
                     raise ValueError(
                         f"{sp.fqn}: the loaded DTensor's local shard has shape "
-                        f"{tuple(local.shape)}, this rank's shard {tuple(sp.local.shape)} "
-                        "(a different sharding); load a full state dict instead")
-                sp.local.copy_(local)
+                        f"{tuple(local.shape)} placed {now.placements}, this rank's shard "
+                        f"{mine} placed {placed} (a different sharding); load "
+                        "a full state dict instead")
+                sp.local.copy_(sp.to_rows(local))
             else:
                 sp.set_full(now.detach())
             requires_grad = now.requires_grad

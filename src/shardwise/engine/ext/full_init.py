@@ -128,7 +128,7 @@ def _padded_views(sps: list[ShardedParam]) -> Iterator[None]:
     the same shape on every rank (an empty shard would skip an initializer's draw on one
     rank only); padding rows are zeroed after."""
     for sp in sps:
-        view = nn.Parameter(sp.padded_shard, requires_grad=sp.requires_grad)
+        view = nn.Parameter(sp.from_rows(sp.padded_shard), requires_grad=sp.requires_grad)
         for ref in sp.refs:
             ref.module._parameters[ref.name] = view
     try:

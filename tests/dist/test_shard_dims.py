@@ -1,0 +1,70 @@
+"""Shards on dims other than 0 (issue 36): FSDP2's shard_placement_fn Shard(1) / Shard(2),
+torchtitan's experts on a mesh of their own, and balanced shards for 3-D experts with fewer
+experts than ranks. Workers: tests/dist/shard_dims_workers.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import tests.dist.shard_dims_workers as W
+from shardwise.testing import run_distributed
+
+
+def _cases(world: int) -> list:
+    return [
+        # FSDP2's own Shard(1) (divides 2 and 3 ranks): shardwise == FSDP2 == unsharded
+        ("shard1", 4, W.shard_blocks(1), 1, True),
+        # uneven Shard(2) (D = 10 at 3 ranks): FSDP2 refuses it; shardwise pads, as dim 0
+        ("shard2", 4, W.shard_blocks(2), 2, world == 2),
+        # torchtitan's pattern: experts on their own (here: the same world) mesh, Shard(1)
+        ("titan", 4, W.shard_titan(1, W.world_mesh), 1, True),
+        # balanced default, 2 experts: dim 0 at 2 ranks (even), dim 1 at 3 ranks
+        ("default", 2, W.shard_blocks(None), 0 if world == 2 else 1, False),
+    ]
+
+
+def _parity(rank: int, world: int) -> dict:
+    return W.parity(rank, world, _cases(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_dims_match_fsdp2_and_unsharded(world: int) -> None:
+    results = run_distributed(_parity, world, timeout_s=300)
+    # Balanced: 2 experts of (6, 10) at 3 ranks hold 2 rows of dim 1 each: 40 elements on
+    # every rank (dim 0 would give 60, 60, 0).
+    for r in results:
+        assert set(r["default"].values()) == {2 * 6 * 10 // world}
+
+
+def _hsdp(rank: int, world: int) -> dict:
+    cases = [("hsdp_experts", 2, W.shard_titan(1, W.hsdp_experts_mesh), 1, True)]
+    return W.parity(rank, world, cases)
+
+
+def test_experts_on_a_2x2_mesh_dense_on_4_ranks() -> None:
+    """Experts sharded on the 2-rank shard dim of a (replicate 2, shard 2) mesh with
+    Shard(1), the blocks and root on all 4 ranks: matches FSDP2 and the unsharded run."""
+    results = run_distributed(_hsdp, 4, timeout_s=300)
+    for r in results:
+        assert set(r["hsdp_experts"].values()) == {2 * 6 * 10 // 2}
+
+
+def _save(rank: int, world: int, path: str, dim: int | None) -> dict:
+    return W.state_round_trips(rank, world, path, dim)
+
+
+@pytest.mark.parametrize("save, load", [((3, 2), (2, None)), ((2, None), (3, 2)),
+                                        ((3, None), (3, None))])
+def test_checkpoints_between_shard_dims(tmp_path, save: tuple, load: tuple) -> None:
+    """Saved with experts on one dim (rows on that dim in the manifest), loaded where they
+    shard on another: parameters and optimizer state equal what was saved; exported
+    safetensors equal the full state dict."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, save[0], path, save[1], timeout_s=240)[0]
+    run_distributed(W.load_elsewhere, load[0], path, load[1], saved, timeout_s=240)
+
+
+def test_bad_placements_are_refused_up_front() -> None:
+    msgs = run_distributed(W.bad_placement, 2, timeout_s=120)[0]
+    assert "Shard(3)" in msgs[0] and "out of range [-3, 2]" in msgs[0]
+    assert "'Shard(1)'" in msgs[1] and "Shard(dim) or None" in msgs[1]
