@@ -30,6 +30,7 @@ from ..core.policies import (
 )
 from ..core.schedule import ShardedState
 from ..core.sharded_param import ParamRef, ShardedParam
+from ..core.spmd import context_for_dims
 from ..core.tp import TPContext, context_for
 from ..core.unit import Unit
 from .misuse import watch_optimizers
@@ -132,6 +133,7 @@ def fully_shard(
     offload_policy: CPUOffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    dp_mesh_dims: object | None = None,
 ) -> Any:
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
@@ -142,7 +144,9 @@ def fully_shard(
     forward except on the root; True/False apply to the root too. `mp_policy` and
     `offload_policy` also take torch.distributed.fsdp's own policy objects.
     `shard_placement_fn` may return `Shard(dim)` (any dim) or None for each parameter; None
-    takes the default dim ([Note: balanced shards] in core/layout.py).
+    takes the default dim ([Note: balanced shards] in core/layout.py). `dp_mesh_dims`
+    (torch's DataParallelMeshDims): `mesh` is the full SPMD mesh the DTensor parameters
+    live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/spmd.py).
     """
     modules = _validate_modules(module)
     mp, offload, ignored = _validate(modules, reshard_after_forward, mp_policy,
@@ -151,7 +155,12 @@ def fully_shard(
     for m in modules:
         placements.update(check_shard_placement(m, shard_placement_fn, ignored))
     # A tensor-parallel model ([Note: FSDP x TP]): checked before mesh_info_for's groups.
-    tp = context_for(modules[0], mesh)
+    if dp_mesh_dims is not None:
+        tp = context_for_dims(modules, mesh, dp_mesh_dims, reshard_after_forward,
+                              {id(p) for p in ignored})
+        mesh = tp.dp_mesh
+    else:
+        tp = context_for(modules[0], mesh)
     info = mesh_info_for(mesh)
     raf = check_reshard_after_forward(reshard_after_forward, info.shard_size)
     hpz = raf if type(raf) is int else None  # [Note: hpZ] in core/hpz.py

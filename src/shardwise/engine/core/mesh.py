@@ -158,7 +158,7 @@ def _span(units: Iterable[Any]) -> tuple[set[int], list[ProcessGroup | None]]:
         if dmesh is not None:
             ranks.update(int(r) for r in dmesh.mesh.flatten().tolist())
         dims = [(m.replicate_group, m.replicate_size), (m.shard_group, m.shard_size)]
-        if tp is not None:
+        if tp is not None and tp.tp_mesh is not None:
             dims.append((tp.tp_mesh.get_group(), tp.tp_size))
         for g, n in dims:
             if n <= 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..comm import collectives as C
 from .dtensor import contiguous_stride
+
+if TYPE_CHECKING:
+    from .spmd import SpmdLayout
 
 
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -59,12 +63,16 @@ class TPContext:
     """The meshes of one `fully_shard` call on a tensor-parallel model."""
 
     dp_mesh: DeviceMesh  # 1-D (dp) or 2-D (replicate, shard) for HSDP x TP
-    tp_mesh: DeviceMesh  # 1-D
+    # 1-D; None: no model-parallel dim at all (dp_mesh_dims naming every dim of the mesh).
+    tp_mesh: DeviceMesh | None
     spmd_mesh: DeviceMesh  # dp dims then the tp dim: where sharded parameters live
+    # fully_shard(dp_mesh_dims=...) ([Note: dp_mesh_dims] in spmd.py): the parameters are
+    # DTensors on `spmd_mesh` itself, in the user's order of dims; None: the TP recipe.
+    spmd: SpmdLayout | None = None
 
     @property
     def tp_size(self) -> int:
-        return self.tp_mesh.size()
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
 
     def dp_placements(self, tp_shards_dim0: bool) -> tuple[Placement, ...]:
         # Colwise: dp splits the TP-local rows, so globally the dp chunks interleave with
@@ -155,6 +163,11 @@ class TPParam:
     def __init__(self, param: torch.Tensor, ctx: TPContext) -> None:
         self.ctx = ctx
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        # What the module computes with: the TP DTensor, or under dp_mesh_dims the
+        # parameter's own spec on the whole mesh (Replicate on its dp dims).
+        self.face_spec = self.tp_spec
+        if ctx.spmd is not None and self.tp_spec is not None:
+            self.tp_spec = ctx.spmd.tp_spec(self.tp_spec, ctx.tp_mesh)
         self.global_shape = tuple(param.shape)
         # The global dim the TP placement splits (None: replicated across tp) and where
         # this rank's TP-local tensor starts along it.
@@ -181,17 +194,20 @@ class TPParam:
 
     def sharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
         """The sharded parameter's spec on the (dp, tp) mesh, global shape."""
-        tp_pl = self.tp_spec.placements if self.tp_spec is not None else (Replicate(),)
-        placements = (*self.ctx.dp_placements(self.shard_dim == 0), *tp_pl)
         shape = self.global_shape or (1,)  # a 0-d parameter is one row ([Note: layout])
         meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype)
+        if self.ctx.spmd is not None:
+            assert self.face_spec is not None, "dp_mesh_dims parameters are DTensors"
+            return self.ctx.spmd.sharded_spec(self.face_spec.placements, meta)
+        tp_pl = self.tp_spec.placements if self.tp_spec is not None else (Replicate(),)
+        placements = (*self.ctx.dp_placements(self.shard_dim == 0), *tp_pl)
         return DTensorSpec(self.ctx.spmd_mesh, placements, tensor_meta=meta)
 
     def compute_face(self, local_full: torch.Tensor) -> torch.Tensor:
         """What the module computes with: the TP DTensor around the gathered local tensor."""
-        if self.tp_spec is None:
+        if self.face_spec is None:
             return local_full
-        spec = self.tp_spec
+        spec = self.face_spec
         if local_full.dtype != spec.tensor_meta.dtype:  # type: ignore[union-attr]
             meta = TensorMeta(spec.shape, spec.stride, local_full.dtype)
             spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
@@ -204,9 +220,18 @@ class TPParam:
         local = grad._local_tensor
         wait = getattr(local, "wait", None)  # an AsyncCollectiveTensor: the data, now
         local = wait() if callable(wait) else local
-        if self.tp_spec is not None and tuple(grad.placements) != tuple(self.tp_spec.placements):
+        src = grad.placements[0]
+        if self.ctx.spmd is not None:
+            # The dp dims' placements stay as autograd left them (Partial, or Replicate
+            # over different values): the reduce-scatter over dp is what sums them, as
+            # in FSDP2. Only the tp dim is brought back to the parameter's placement.
+            t = self.ctx.spmd.tp_index
+            if t is None or self.tp_spec is None:
+                return local
+            src = grad.placements[t]
+        if self.tp_spec is not None and src != self.tp_spec.placements[0]:
             # A replicated parameter used on sharded activations gets a Partial gradient.
-            local = self._redistribute(local, grad.placements[0], self.tp_spec.placements[0])
+            local = self._redistribute(local, src, self.tp_spec.placements[0])
         return local
 
     def _redistribute(self, local: torch.Tensor, src: Placement, dst: Placement
@@ -214,6 +239,7 @@ class TPParam:
         """A 1-D TP redistribution through the communication layer (not DTensor's own
         collectives, which the exit drain, debug fingerprints and named errors cannot see):
         to Replicate first (all-reduce a Partial, join a Shard), then this rank's piece."""
+        assert self.ctx.tp_mesh is not None, "a redistribution needs a tp dim"
         group = self.ctx.tp_mesh.get_group()
         if isinstance(src, Partial):
             if src.reduce_op != "sum":
@@ -264,7 +290,8 @@ class TPParam:
 
     def writes(self) -> bool:
         """Whether this TP rank stores its rows: all of them for colwise, else TP rank 0."""
-        return self.shard_dim == 0 or self.ctx.tp_mesh.get_local_rank() == 0
+        return (self.shard_dim == 0 or self.ctx.tp_mesh is None
+                or self.ctx.tp_mesh.get_local_rank() == 0)
 
     def checkpoint_local(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's stored rows, full width (joined across tp for a rowwise weight)."""
