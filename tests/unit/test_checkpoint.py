@@ -307,3 +307,30 @@ def test_loaded_state_does_not_depend_on_the_files(ckpt: tuple) -> None:
         loss_fn("lm", m(x), y).backward()
         o.step()
     assert same_params(model, m2)
+
+
+def test_manifest_version_marks_rows_on_another_dim() -> None:
+    """A checkpoint with a tensor sharded on dim 1 must not look readable to a shardwise that
+    predates the "dim" field (it would read the pieces as dim-0 rows): it says version 2;
+    one without such tensors stays version 1. Both parse; a version-1 manifest that claims a
+    dim is refused."""
+    from shardwise.checkpoint import manifest as M
+
+    def make(dim: int) -> M.Manifest:
+        info = M.TensorInfo((4, 6), torch.float32, [("rank00000.safetensors", 0, 6 if dim
+                                                     else 4)], dim)
+        return M.Manifest(step=1, extra=None, versions={}, saved_by={},
+                          files={"rank00000.safetensors": {"bytes": 1, "sha256": "x"}},
+                          tensors={"model/w": info}, model_keys=["w"], aliases={},
+                          optimizer=None)
+
+    for dim, version in ((0, 1), (1, 2)):
+        body = json.loads(make(dim).to_json())
+        assert body["format_version"] == version
+        assert M._parse(dict(body), "m").tensors["model/w"].dim == dim
+    bad = json.loads(make(1).to_json())
+    bad.pop("sha256")
+    bad["format_version"] = 1
+    bad["sha256"] = M._digest(bad)
+    with pytest.raises(M.CheckpointError, match="rows on dim 1 in a format_version 1"):
+        M._parse(bad, "m")

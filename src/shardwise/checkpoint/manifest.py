@@ -13,7 +13,8 @@ tensor's own name in that file, in order, covering [0, D0) exactly. A tensor sav
 parameters sharded on another dim d ([Note: balanced shards]) says `"dim": d`: its rows are
 slices along d, and each piece holds rows of `movedim(d, 0)` (shape (rows, *rest) with rest
 the other dims in order), as the ranks hold them; a rank sharding it on another dim reads
-it whole (slots.read_rows). Names:
+it whole (slots.read_rows); such a checkpoint says `format_version` 2 (FORMAT_VERSION_DIMS), so
+that an older shardwise refuses it instead of misreading its pieces. Names:
 
     model/<state-dict key>          a parameter or buffer (tied parameters once: `aliases`)
     optim/<param fqn>/<state name>  optimizer state shaped like its parameter (AdamW moments)
@@ -37,6 +38,11 @@ from .safetensors_io import dtype_from_name, dtype_name
 
 FORMAT = "shardwise-checkpoint"
 FORMAT_VERSION = 1
+# A checkpoint holding any tensor with rows on a dim other than 0 says version 2, so that a
+# shardwise that predates the "dim" field refuses it rather than read its pieces as dim-0
+# rows (a silent wrong load); one without such tensors stays version 1, readable by both.
+FORMAT_VERSION_DIMS = 2
+READABLE_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_DIMS)
 MANIFEST = "manifest.json"
 
 
@@ -97,9 +103,14 @@ class Manifest:
     aliases: dict[str, str]  # tied key -> the key its tensor is stored under
     optimizer: dict[str, Any] | None
 
+    @property
+    def format_version(self) -> int:
+        return FORMAT_VERSION_DIMS if any(t.dim for t in self.tensors.values()) \
+            else FORMAT_VERSION
+
     def body(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "step": self.step,
+            "format": FORMAT, "format_version": self.format_version, "step": self.step,
             "extra": self.extra, "versions": self.versions, "saved_by": self.saved_by,
             "files": self.files,
             "model": {"keys": self.model_keys, "aliases": self.aliases},
@@ -158,9 +169,10 @@ def read_manifest(ckpt_dir: str) -> Manifest:
 def _parse(body: Any, path: str) -> Manifest:
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a shardwise checkpoint manifest")
-    if body.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format_version {body.get('format_version')!r}; "
-                              f"this shardwise reads version {FORMAT_VERSION}")
+    version = body.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path} has format_version {version!r}; this shardwise reads "
+                              f"versions {list(READABLE_VERSIONS)}")
     stored = body.pop("sha256", None)
     if stored != _digest(body):
         raise CheckpointError(f"{path} is corrupted: its checksum does not match its contents")
@@ -174,6 +186,9 @@ def _parse(body: Any, path: str) -> Manifest:
         info = TensorInfo(tuple(int(x) for x in t["shape"]), dtype_from_name(t["dtype"]),
                           [(str(f), int(a), int(b)) for f, a, b in t["pieces"]],
                           int(t.get("dim", 0)))
+        if info.dim and version == FORMAT_VERSION:
+            raise CheckpointError(f"{path}: {name} has rows on dim {info.dim} in a "
+                                  f"format_version {FORMAT_VERSION} manifest (which has none)")
         if not 0 <= info.dim < max(len(info.shape), 1):
             raise CheckpointError(f"{path}: {name} has rows on dim {info.dim}, which a "
                                   f"tensor of shape {list(info.shape)} does not have")
