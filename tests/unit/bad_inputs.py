@@ -339,6 +339,10 @@ CASES: list[Case] = [
         lambda: sw.load_pretrained(sharded(), NO_SUCH, strict="yes")),  # type: ignore
     api("load_pretrained(allow_nonfinite)", "'no'", f"allow_nonfinite='no' {P}",
         lambda: sw.load_pretrained(sharded(), NO_SUCH, allow_nonfinite="no")),  # type: ignore
+    api("load_pretrained(quantize)", "'int4'", "quantize='int4' is not allowed: None, 'nf4' "
+        "or sw.NF4(...)", lambda: sw.load_pretrained(sharded(), NO_SUCH, quantize="int4")),
+    api("NF4(block_size)", "3", "NF4.block_size=3 is not allowed: an even int >= 2",
+        lambda: sw.NF4(block_size=3)),
     # no_sync, materialize, precision_plan
     api("no_sync(model)", "'m'", f"model='m' {P}", lambda: sw.no_sync("m").__enter__()),
     api("no_sync(model)", "(not sharded)", "no_sync needs a sharded model",

@@ -99,6 +99,8 @@ TRAIN_CASES = [
     train("train.compile", "2", "train.compile='2' is not a valid bool"),
     train("lora.rank", "-1", "lora.rank=-1 must be >= 0"),
     train("lora.rank", "4", "lora.rank=4 needs model.hf"),
+    train("model.quantize", "int4", f"model.quantize='int4' {NA}: give nf4"),
+    train("model.quantize", "nf4", "model.quantize='nf4' needs model.hf and lora.rank"),
     train("lora.alpha", "-1", "lora.alpha=-1.0 must be >= 0"),
     train("lora.targets", "q_proj,,v_proj", f"lora.targets='q_proj,,v_proj' {NA}"),
     train("lora.dropout", "1", "lora.dropout=1.0 must be in [0, 1)"),

@@ -241,13 +241,13 @@ def load_pretrained(model: nn.Module, path: PathLike, *, strict: bool = True,
     group = model_group(model)
     with agreed(group=group):
         check_module("model", model)
+        spec = resolve(quantize)
         where = check_path("path", path)
         check_bool("strict", strict)
         check_bool("allow_nonfinite", allow_nonfinite)
         reshard_between_steps(model, "load_pretrained")
         view = model_view(model)
         plan = _plan(model, view, where, strict)
-        spec = resolve(quantize)
         if spec is not None:
             plan.quantized = targets(model, spec)
             unread = [k for k in plan.quantized if k not in plan.sources]

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..engine.comm import collectives as C
-from ..engine.core.sharded_param import ShardedParam
+
+if TYPE_CHECKING:  # the engine's core stays unimported by `export --hf` (train/qlora.py)
+    from ..engine.core.sharded_param import ShardedParam
 
 QUANTIZE_KINDS = ("nf4",)
 

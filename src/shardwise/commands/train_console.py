@@ -65,9 +65,12 @@ class ConsoleReporter:
                   f"context {cfg.model.seq_len()}, {cfg.model.dtype}) {where}")
             if cfg.lora.rank:
                 lo = cfg.lora
-                print(f"  LoRA rank {lo.rank}, alpha {lo.scale():g}, targets "
-                      f"{lo.targets or 'peft default'}: {info['trainable']:,} trainable "
-                      "parameters; only they are checkpointed")
+                print(f"  {'QLoRA' if cfg.model.quantize else 'LoRA'} rank {lo.rank}, alpha "
+                      f"{lo.scale():g}, targets {lo.targets or 'peft default'}: "
+                      f"{info['trainable']:,} trainable parameters; only they are checkpointed")
+                if cfg.model.quantize:
+                    print(f"  base linear weights (all but lm_head) in {cfg.model.quantize.upper()}"
+                          f", quantized from {cfg.model.dtype} as each rank loads its rows")
         else:
             g = cfg.model.gpt()
             print(f"shardwise train: GPT '{cfg.model.preset}' ({info['params'] / 1e6:.2f}M "

@@ -25,6 +25,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "constant")
 ON_NONFINITE = ("stop", "skip")
+QUANTIZE = ("", "nf4")
 
 
 @dataclass
@@ -41,6 +42,9 @@ class ModelSection:
         to fine-tune instead of the built-in GPT; each rank reads only its shards of the weights.
     dtype: storage dtype of the weights (and so of the optimizer's master copy): fp32, bf16 or
         fp16. Compute and communication follow shard.mixed_precision.
+    quantize: "" or nf4 (QLoRA; needs model.hf and lora.rank): the frozen base's linear
+        weights, all but lm_head, held as torchao NF4 (4 bits) quantized from model.dtype,
+        each rank quantizing its own rows; embeddings, norms and lm_head stay in model.dtype.
     """
 
     preset: str = "small"
@@ -50,12 +54,15 @@ class ModelSection:
     block_size: int = 0
     hf: str = ""
     dtype: str = "fp32"
+    quantize: str = ""
 
     def __post_init__(self) -> None:
         _typed("model", self)
         _choice("model", "preset", self.preset, tuple(PRESETS))
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
         _choice("model", "dtype", self.dtype, DTYPES)
+        _check(self.quantize in QUANTIZE, f"model.quantize={self.quantize!r} is not allowed: "
+               "give nf4 (QLoRA: a 4-bit frozen base) or leave it empty")
         if self.hf:
             from .hf_deps import require
             from .hf_folder import check_folder
@@ -345,9 +352,16 @@ class Config:
                 from .hf_deps import require
 
                 require(f"lora.rank={self.lora.rank}", "peft")
+            if self.model.quantize:
+                from .qlora import check_quantize
+
+                check_quantize(self.model.quantize, self.lora.rank)
         else:
             _check(self.lora.rank == 0, f"lora.rank={self.lora.rank} needs model.hf: LoRA "
                    "adapts a Hugging Face model's linear layers (the built-in GPT has none)")
+            _check(not self.model.quantize, f"model.quantize={self.model.quantize!r} needs "
+                   "model.hf and lora.rank: QLoRA quantizes a Hugging Face base model's "
+                   "linear weights and trains LoRA adapters beside them")
             d = self.data
             for name, bad in (("mix", d.mix), ("eval_path", d.eval_path),
                               ("packing", not d.packing)):

@@ -3,7 +3,8 @@
 - `--hf`: config.json, safetensors weights and the tokenizer's files, which
   `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load.
   A LoRA run's adapters are merged into the base weights (W + (alpha / r) * B @ A), read
-  from the model.hf folder one file at a time;
+  from the model.hf folder one file at a time; a QLoRA run's (model.quantize nf4) into the
+  base it computed with, the NF4 weights dequantized, and written in bf16 (train/qlora.py);
 - `--adapter`: a LoRA run's peft adapter folder alone (adapter_config.json and
   adapter_model.safetensors), which `PeftModel.from_pretrained(base, OUT)` loads;
 - the built-in GPT: model.safetensors and shardwise_gpt.json, its shape, so that
@@ -33,6 +34,8 @@ import torch
 
 from .config import Config
 from .hf_folder import CONFIG_FILES, TOKENIZER_FILES
+from .hf_model import DTYPES
+from .qlora import as_trained, linear_names, mark_bf16, qlora_dtype, quantized_keys
 
 GPT_SHAPE = "shardwise_gpt.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -169,8 +172,12 @@ def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str,
             meta = f.metadata() or meta
             for key in f.keys():
                 sl = f.get_slice(key)
-                entries.append((name, Entry(key, _ST_DTYPES[sl.get_dtype()],
+                dtype = _ST_DTYPES[sl.get_dtype()]
+                entries.append((name, Entry(key, qlora_dtype(cfg, dtype),
                                             tuple(sl.get_shape()))))
+    # QLoRA: the base linears the run held in NF4 are merged from their dequantized values.
+    quantized = quantized_keys([e.key for _, e in entries], linear_names(src)) \
+        if cfg.model.quantize else set()
     writer = ConsolidatedWriter(out, [e for _, e in entries], max_shard_bytes, meta)
     used = set()
     try:
@@ -178,14 +185,17 @@ def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str,
             with safe_open(os.path.join(src, name), "pt") as f:
                 for key in f.keys():
                     t = f.get_tensor(key)
+                    out_dtype = qlora_dtype(cfg, t.dtype)
+                    if key in quantized:
+                        t = as_trained(t, DTYPES[cfg.model.dtype])
                     if key in pairs:
                         a, b = pairs[key]
                         delta = b.float() @ a.float()  # (out, in)
                         if _is_transposed(key, transposed):
                             delta = delta.T
-                        t = (t.float() + scale * delta).to(t.dtype)
+                        t = t.float() + scale * delta
                         used.add(key)
-                    writer.write(key, t.contiguous())
+                    writer.write(key, t.to(out_dtype).contiguous())
         writer.close()
     except BaseException:
         writer.abort()
@@ -248,6 +258,8 @@ def export_run(ckpt: str, out: str, *, adapter: bool = False, verify: bool = Tru
             else:
                 _merged(cfg, adapters, partial, shard)
                 _copy_side_files(cfg.model.hf, partial)
+                if cfg.model.quantize:
+                    mark_bf16(partial)
         _publish(partial, out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -18,6 +18,7 @@ from torch import nn
 import shardwise as sw
 
 from .config import Config
+from .qlora import SPEC
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE = -100  # a target the loss does not count (prompt tokens, padding)
@@ -89,7 +90,10 @@ def build_hf(cfg: Config) -> nn.Module:
     sw.materialize(model, init_fn=inner._init_weights, seed=cfg.train.seed)
     # Each rank reads only its rows. With LoRA the adapters are not in the folder (strict
     # would refuse them): they keep the init above. peft froze the base before sharding.
-    sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank)
+    # QLoRA: the frozen base linears become NF4 as they load (qlora.py), each rank
+    # quantizing its own rows; the plain shards materialize made are dropped.
+    sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank,
+                       quantize=SPEC if cfg.model.quantize else None)
     return model
 
 

@@ -50,7 +50,7 @@ def run_keys(cfg: Config) -> dict[str, str]:
         # The token cache's keys (the data files' bytes and the tokenizer's files) of every
         # source and the evaluation set, and how they are sampled.
         return {"data": token_key(cfg), "tokenizer": tok,
-                "model": model + _lora(cfg)}
+                "model": model + _lora(cfg) + _quantized(cfg)}
     else:
         model = _hash(json.dumps(cfg.model.gpt().__dict__, sort_keys=True).encode())
         tok = "bytes"
@@ -61,6 +61,11 @@ def _lora(cfg: Config) -> str:
     lo = cfg.lora
     return f"+lora(r={lo.rank},alpha={lo.scale()},targets={lo.targets or '-'})" if lo.rank \
         else ""
+
+
+def _quantized(cfg: Config) -> str:
+    # The base a QLoRA run computes with is the NF4 of model.hf's weights, not the weights.
+    return f"+{cfg.model.quantize}" if cfg.model.quantize else ""
 
 
 def differences(saved: dict[str, str], now: dict[str, str]) -> list[str]:

@@ -23,15 +23,29 @@ def training_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
     AdamW's two moments of each trainable one, all in the parameter's own dtype (torch
     creates them like it). A frozen parameter (LoRA's base weights) has neither, and a bf16
     model's are 2 bytes: a flat STATE_BYTES_PER_PARAM per parameter counted a LoRA run's
-    state at ~4x and a bf16 model's at 2x what it holds."""
+    state at ~4x and a bf16 model's at 2x what it holds. A quantized (NF4) weight counts
+    the bytes its shard holds, not its dtype's (4 bytes a value for an fp32 QLoRA base,
+    8x what it keeps)."""
     from ..engine.core.dtensor import local_of
 
     local = full = 0
     for p in model.parameters():  # tied parameters once
-        per = p.element_size() * (4 if p.requires_grad else 1)
-        local += local_of(p).numel() * per
-        full += p.numel() * per  # a DTensor's numel is the global one
+        shard = local_of(p)
+        held = stored_bytes(shard)
+        per = held / max(shard.numel(), 1) * (4 if p.requires_grad else 1)
+        local += round(shard.numel() * per)
+        full += round(p.numel() * per)  # a DTensor's numel is the global one
     return local, full
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes `t` keeps: a tensor subclass's inner tensors (torchao's NF4: 4-bit codes and
+    its scalers), a plain tensor's numel x element size."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return t.numel() * t.element_size()
+    names, _ = flatten()
+    return sum(stored_bytes(getattr(t, n)) for n in names)
 
 
 def memory_mb(device: torch.device) -> float:
