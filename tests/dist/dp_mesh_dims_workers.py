@@ -57,7 +57,7 @@ class Block(nn.Module):
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([Block()])
         self.head = nn.Linear(DIM, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,9 @@ def distribute(model: nn.Module, mesh: DeviceMesh, tp: str | None) -> None:
             elif tp is not None and mname.endswith(ROWWISE) and name == "weight":
                 place = Shard(1)
             pls = [place if n == tp else Replicate() for n in mesh.mesh_dim_names or ()]
-            m._parameters[name] = nn.Parameter(distribute_tensor(p.detach(), mesh, pls))
+            # src_data_rank=None: every rank built the same seeded weights; no broadcast.
+            m._parameters[name] = nn.Parameter(
+                distribute_tensor(p.detach(), mesh, pls, src_data_rank=None))
 
 
 def shard(engine: str, model: Model, mesh: DeviceMesh, dims: DataParallelMeshDims) -> None:
@@ -197,10 +199,10 @@ def _close(a: dict, b: dict, what: str) -> float:
 def parity(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
            shard: tuple[str, ...], replicate: tuple[str, ...], tp: str | None,
            ckpt: str | None = None) -> dict[str, float]:
-    """shardwise vs FSDP2 (same layout, same numbers) vs unsharded, 3 steps."""
+    """shardwise vs FSDP2 (same layout, same numbers) vs unsharded, 2 steps."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dims = DataParallelMeshDims(shard=shard or None, replicate=replicate or None)
-    steps = 3
+    steps = 2
     ours = train("shardwise", mesh, dims, tp, steps)
     theirs = train("fsdp2", mesh, dims, tp, steps)
     assert ours["layout"] == theirs["layout"], (ours["layout"], theirs["layout"])
@@ -212,6 +214,16 @@ def parity(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]
         assert (got[name] - t).abs().max().item() <= TOL, f"sw.full_state_dict {name}"
     if ckpt is not None:
         round_trip(ours["model"], mesh, dims, tp, ckpt)
+    return worst
+
+
+def parity_grid(rank: int, world: int, cases: list[tuple], ckpt: str) -> dict[str, float]:
+    """Several meshes over the same ranks, one process group (start-up paid once); the
+    first case also round-trips its checkpoint."""
+    worst: dict[str, float] = {}
+    for i, case in enumerate(cases):
+        for k, v in parity(rank, world, *case, ckpt if i == 0 else None).items():
+            worst[f"{case[1]} {k}"] = v
     return worst
 
 
@@ -236,3 +248,60 @@ def round_trip(model: nn.Module, mesh: DeviceMesh, dims: DataParallelMeshDims,
     again.load_state_dict(model.state_dict())
     for name, t in full_params(again).items():
         assert torch.equal(t, want[name]), f"load_state_dict: {name}"
+
+
+def _raised(fn: object, what: str) -> BaseException:
+    try:
+        fn()  # type: ignore[operator]
+    except (ValueError, NotImplementedError) as e:
+        return e
+    raise AssertionError(f"{what}: no error raised")
+
+
+def bad_input(rank: int, world: int) -> list[str]:
+    """Each misuse, on FSDP2 (every rank) and on shardwise (rank 0 alone, so an error
+    raised after a collective would hang instead): the same exception type, FSDP2's words
+    in shardwise's message, plus the offending value. A (dp=2, tp=2) mesh on 4 ranks."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # Another mesh over the same ranks (init_device_mesh hands back the same object for
+    # the same arguments, so another name for the second dim).
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "model"))
+    unnamed = init_device_mesh("cpu", (4,))
+    dp = DataParallelMeshDims(shard="dp")
+
+    def model(tp: str | None = "tp", plain: str = "", dp_shard: bool = False,
+              other_mesh: bool = False) -> Model:
+        m = build()
+        distribute(m, other if other_mesh else mesh, "model" if other_mesh else tp)
+        if plain:
+            mod = m.get_submodule(plain.rsplit(".", 1)[0])
+            mod._parameters["weight"] = nn.Parameter(torch.ones(mod.weight.shape))
+        if dp_shard:
+            m.head._parameters["weight"] = nn.Parameter(distribute_tensor(
+                torch.ones(OUT, DIM), mesh, [Shard(0), Replicate()], src_data_rank=None))
+        return m
+
+    cases = {
+        # name: (module to shard, kwargs, what shardwise's message must also name)
+        "plain tensor": (lambda: model(plain="head.weight"), {}, "'weight'"),
+        "Shard on a dp dim": (lambda: model(dp_shard=True), {}, "Shard(dim=0)"),
+        "missing name": (model, {"dp_mesh_dims": DataParallelMeshDims(shard="fsdp")},
+                         "('dp', 'tp')"),
+        "int reshard_after_forward": (model, {"reshard_after_forward": 2}, "=2"),
+        "another mesh object": (lambda: model(other_mesh=True), {}, "mesh="),
+        "mesh without names": (model, {"mesh": unnamed}, "mesh="),
+    }
+    msgs = []
+    for name, (make, kwargs, extra) in cases.items():
+        kw = {"mesh": mesh, "dp_mesh_dims": dp, **kwargs}
+        mine = make()  # on every rank: building it broadcasts nothing, but meshes might
+        theirs = _raised(lambda: fsdp2_fully_shard(make().head, **kw), f"FSDP2 {name}")  # noqa: B023
+        if rank == 0:
+            ours = _raised(lambda: sw.fully_shard(mine.head, **kw), name)  # noqa: B023
+            assert type(ours) is type(theirs), (name, ours, theirs)
+            head = str(theirs).split(" (")[0].split("'")[0].rstrip(".")
+            assert head in str(ours), (name, str(ours), str(theirs))
+            assert extra in str(ours), (name, str(ours))
+            msgs.append(f"{name}: {ours}")
+    torch.distributed.barrier()
+    return msgs

@@ -20,23 +20,23 @@ def test_1d_dp_mesh_replicated_dtensors(world: int) -> None:
         assert max(worst.values()) <= W.TOL, worst
 
 
-def test_dp_x_tp_mesh_and_dcp_round_trip(tmp_path: Path) -> None:
-    """(dp=2, tp=2): colwise parameters are _StridedShard(0, sf=2) x Shard(0) on the mesh
-    passed in; model.state_dict() goes through DCP into models sharded by either engine."""
-    for worst in run_distributed(W.parity, 4, (2, 2), ("dp", "tp"), ("dp",), (), "tp",
-                                 str(tmp_path / "ckpt")):
+def test_4_ranks_dp_x_tp_hsdp_by_names_flattened_shard_dims(tmp_path: Path) -> None:
+    """On 4 ranks, one process group:
+    - (dp=2, tp=2), shard="dp": colwise parameters are (_StridedShard(0, sf=2), Shard(0)) on
+      the mesh passed in; model.state_dict() goes through DCP into models sharded by
+      either engine, and back through load_state_dict;
+    - (dp_rep=2, dp_shard=2), replicate="dp_rep", shard="dp_shard": HSDP by names;
+    - (dp_shard=2, cp=2), shard=("dp_shard", "cp"): one shard group of 4, parameters on
+      FSDP2's flattened "dp_shard_cp" mesh.
+    """
+    cases = [((2, 2), ("dp", "tp"), ("dp",), (), "tp"),
+             ((2, 2), ("dp_rep", "dp_shard"), ("dp_shard",), ("dp_rep",), None),
+             ((2, 2), ("dp_shard", "cp"), ("dp_shard", "cp"), (), None)]
+    for worst in run_distributed(W.parity_grid, 4, cases, str(tmp_path / "ckpt"),
+                                 timeout_s=400):
         assert max(worst.values()) <= W.TOL, worst
 
 
-def test_hsdp_through_names() -> None:
-    for worst in run_distributed(W.parity, 4, (2, 2), ("dp_rep", "dp_shard"), ("dp_shard",),
-                                 ("dp_rep",), None):
-        assert max(worst.values()) <= W.TOL, worst
-
-
-def test_two_shard_dims_flattened() -> None:
-    """shard=("dp_shard", "cp"): one shard group of 4, the parameters on FSDP2's flattened
-    "dp_shard_cp" mesh."""
-    for worst in run_distributed(W.parity, 4, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp"),
-                                 (), None):
-        assert max(worst.values()) <= W.TOL, worst
+def test_bad_input_raises_as_fsdp2_before_any_collective() -> None:
+    msgs = run_distributed(W.bad_input, 4)[0]
+    assert len(msgs) == 6, msgs
