@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import tests.dist.shard_dims_view_workers as V
 import tests.dist.shard_dims_workers as W
 from shardwise.testing import run_distributed
 
@@ -36,17 +37,47 @@ def test_shard_dims_match_fsdp2_and_unsharded(world: int) -> None:
         assert set(r["default"].values()) == {2 * 6 * 10 // world}
 
 
+def _view_cases(world: int) -> list:
+    return [
+        # (name, experts, F, Shard dim or None: the default, shardwise's dim, options)
+        ("shard1", 2, 6, 1, 1, "plain"),
+        ("default", 2, 6, None, 0 if world == 2 else 1, "plain"),
+        ("shard1_bf16_offload_keep", 2, 6, 1, 1, "bf16_offload_keep"),
+    ]
+
+
+def _view(rank: int, world: int) -> dict:
+    return V.view_parity(rank, world, _view_cases(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_expert_weights_are_contiguous_and_view_works(world: int) -> None:
+    """Forward sees each Shard(1) / balanced-default expert weight with its original
+    contiguous strides (FSDP2's unsharded layout), so `w.view(E * F, D)` in forward runs;
+    values match FSDP2 and the unsharded run at 1e-5 (mixed precision with CPU offload
+    and no reshard after forward: against FSDP2)."""
+    results = run_distributed(_view, world, timeout_s=300)
+    for r in results:
+        # 2 blocks x 2 weights per forward, 3 steps (SHARD_GRAD_OP style: no re-gather)
+        assert all(n == 3 * 2 * 2 for n in r.values()), r
+
+
 def _hsdp(rank: int, world: int) -> dict:
     cases = [("hsdp_experts", 2, W.shard_titan(1, W.hsdp_experts_mesh), 1, True)]
-    return W.parity(rank, world, cases)
+    # hpZ (k = 2 of 4) with Shard(1), F = 6 uneven at 4 ranks: the kept rows and
+    # backward's block gather feed a contiguous weight (against the unsharded run)
+    view = V.view_parity(rank, world, [("hpz_shard1", 2, 6, 1, 1, "hpz2")])
+    return {**W.parity(rank, world, cases), **view}
 
 
 def test_experts_on_a_2x2_mesh_dense_on_4_ranks() -> None:
     """Experts sharded on the 2-rank shard dim of a (replicate 2, shard 2) mesh with
-    Shard(1), the blocks and root on all 4 ranks: matches FSDP2 and the unsharded run."""
+    Shard(1), the blocks and root on all 4 ranks: matches FSDP2 and the unsharded run.
+    And hpZ with uneven Shard(1) experts used through `view` matches the unsharded run."""
     results = run_distributed(_hsdp, 4, timeout_s=300)
     for r in results:
         assert set(r["hsdp_experts"].values()) == {2 * 6 * 10 // 2}
+        assert r["hpz_shard1"] == 3 * 2 * 2
 
 
 def _save(rank: int, world: int, path: str, dim: int | None) -> dict:

@@ -98,8 +98,14 @@ def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
             if g.numel == 0:
                 kept.append(None)
                 continue
-            parts = [p.unsharded_rows_view()[lo:hi] for p in g.gathered]
             out = torch.empty((hpz.rows, g.numel), dtype=g.dtype, device=unit.mesh.device)
-            torch.cat(parts, dim=1, out=out)
+            views = [p.unsharded_rows_view() for p in g.gathered]
+            if all(v is not None for v in views):
+                torch.cat([v[lo:hi] for v in views], dim=1, out=out)  # type: ignore[index]
+            else:
+                # A parameter on another dim holds its own layout, not rows: its rows are
+                # copied out of it ([Note: layout] in sharded_param.py).
+                for p, off in zip(g.gathered, g.offsets):
+                    p.rows_into(out[:, off: off + p.chunk_numel], lo)
             kept.append(out.view(-1))
     return kept

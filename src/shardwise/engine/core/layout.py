@@ -56,6 +56,50 @@ def from_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if dim == 0 else t.movedim(0, dim)
 
 
+def rows_into_full(rows: torch.Tensor, full: torch.Tensor, dim: int, chunk_rows: int,
+                   non_blocking: bool = False) -> None:
+    """Copy rank-major `rows` ((S, C * row_numel): each rank's padded chunk of
+    `movedim(dim, 0)`, C = `chunk_rows`) into `full`, a tensor in the parameter's own
+    layout, dropping the padding: at most two strided copies, no temporary
+    ([Note: layout] in sharded_param.py)."""
+    moved = to_rows(full, dim)  # (D, *rest), a view of `full`
+    if chunk_rows == 0:
+        return
+    src = rows.view(rows.shape[0], chunk_rows, *moved.shape[1:])  # (S, C, *rest)
+    whole = min(moved.shape[0] // chunk_rows, src.shape[0])  # ranks with C valid rows
+    if whole:
+        moved[: whole * chunk_rows].unflatten(0, (whole, chunk_rows)).copy_(
+            src[:whole], non_blocking=non_blocking)
+    tail = moved.shape[0] - whole * chunk_rows
+    if tail and whole < src.shape[0]:
+        moved[whole * chunk_rows:].copy_(src[whole, :tail], non_blocking=non_blocking)
+
+
+def full_into_rows(full: torch.Tensor, rows: torch.Tensor, dim: int, chunk_rows: int,
+                   first_rank: int = 0, scale: float | None = None) -> None:
+    """The inverse of `rows_into_full` for ranks `first_rank ..` (as many as `rows` has):
+    their chunks of `movedim(dim, 0)` of `full` (times `scale`), padding rows zero."""
+    moved = to_rows(full, dim)  # (D, *rest)
+    if chunk_rows == 0:
+        return
+    dst = rows.view(rows.shape[0], chunk_rows, *moved.shape[1:])  # (R, C, *rest)
+
+    def put(d: torch.Tensor, s: torch.Tensor) -> None:
+        torch.mul(s, scale, out=d) if scale is not None else d.copy_(s)
+
+    lo = min(first_rank * chunk_rows, moved.shape[0])
+    hi = min((first_rank + dst.shape[0]) * chunk_rows, moved.shape[0])
+    whole = (hi - lo) // chunk_rows
+    if whole:
+        put(dst[:whole], moved[lo: lo + whole * chunk_rows].unflatten(0, (whole, chunk_rows)))
+    if whole < dst.shape[0]:
+        tail = hi - lo - whole * chunk_rows
+        if tail:
+            put(dst[whole, :tail], moved[lo + whole * chunk_rows: hi])
+        dst[whole, tail:].zero_()
+        dst[whole + 1:].zero_()
+
+
 def shard_dim_for(param: torch.Tensor, group_size: int, tp: object | None,
                   placements: dict[int, int]) -> int:
     """The dim the engine shards `param` on: `shard_placement_fn`'s (`placements`, by id)

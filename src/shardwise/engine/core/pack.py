@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .layout import full_into_rows
+
 if TYPE_CHECKING:
     from .sharded_param import ShardedParam
 
@@ -30,7 +32,12 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
     if grad is None:
         dst.zero_()
         return
-    flat = p.to_rows(grad).reshape(-1)  # a copy only for a shard dim other than 0
+    if p.shard_dim != 0:
+        # The gradient is in the parameter's own (contiguous) layout: strided copies of
+        # its rows straight into the buffer, no temporary ([Note: layout]).
+        full_into_rows(grad, dst, p.shard_dim, p.chunk_rows, 0, scale)
+        return
+    flat = grad.reshape(-1)
     chunk = p.chunk_numel
     if p.chunk_rows == 0:
         return  # dim 0 has size 0: nothing to send (and no rows to divide by)

@@ -12,11 +12,17 @@ the sharded parameter is a DTensor whose local tensor is `local` (dtensor.py
 
 A parameter sharded on another dim d ([Note: balanced shards] in layout.py, or FSDP2's
 `shard_placement_fn`) is the same machinery on `movedim(d, 0)`: *rows* are its slices along
-d, the shard and all-gather buffers hold rows of the moved tensor, and the DTensor face
-(`Shard(d)`) and the unsharded parameter are views moved back (the unsharded parameter is
-then not contiguous: no copy after the gather). `local`, `padded_shard`, `row_start` /
-`row_end`, `dim0` and `rest` always speak of rows; `to_rows` / `from_rows` convert a
-tensor of the face's layout (a gradient, optimizer state, a loaded shard) and back.
+d, the shard and the all-gather's send and output buffers hold rows of the moved tensor, and
+the DTensor face (`Shard(d)`) is a view moved back. The unsharded parameter is not: as in
+FSDP2 it is its own contiguous tensor in the original layout (user code calls `.view()` on
+it, and kernels such as `torch._grouped_mm` want the original strides), filled by one
+strided copy per parameter from the all-gather output (`layout.rows_into_full`; FSDP2 copies
+twice, through a temporary). Only d != 0 pays that copy; a dim-0 unsharded parameter stays a
+view of the padded rows buffer the gather writes into. Its gradient, contiguous too, is
+packed for the reduce-scatter by the inverse strided copy (`layout.full_into_rows`).
+`local`, `padded_shard`, `row_start` / `row_end`, `dim0` and `rest` always speak of rows;
+`to_rows` / `from_rows` convert a tensor of the face's layout (a gradient, optimizer state,
+a loaded shard) and back.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
 from .extension import Extension, has_hooks, is_subclass, shard_mesh_of
-from .layout import from_rows, to_rows
+from .layout import from_rows, full_into_rows, rows_into_full, to_rows
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -188,6 +194,8 @@ class ShardedParam:
             # A DTensor face (a one-rank mesh): forward computes with a plain tensor.
             and self.spec is None
             and not self.subclass
+            # On another dim the face is a moved view; forward needs the original strides.
+            and self.shard_dim == 0
         )
         if self.subclass:
             # The unsharded parameter comes from the first gather's post hook; until then
@@ -200,13 +208,14 @@ class ShardedParam:
             self._full_padded = padded
             self.unsharded = self.sharded
         else:
-            full = torch.empty(
-                (self.shard_size * self.chunk_rows, *self.rest),
-                dtype=self.compute_dtype,
-                device="meta" if meta else self.device,
-            )
+            # Dim 0: the padded rows the gather writes into; another dim: the parameter's
+            # own contiguous shape, copied into from the gather output ([Note: layout]).
+            shape = ((self.shard_size * self.chunk_rows, *self.rest) if self.shard_dim == 0
+                     else self.orig_shape)
+            full = torch.empty(shape, dtype=self.compute_dtype,
+                               device="meta" if meta else self.device)
             self._full_padded = full
-            view = self.from_rows(full[: self.dim0]).view(self.orig_shape)
+            view = full[: self.dim0].view(self.orig_shape) if self.shard_dim == 0 else full
             self.unsharded = nn.Parameter(
                 view if self.tp is None else self.tp.compute_face(view),
                 requires_grad=self.requires_grad,
@@ -217,7 +226,9 @@ class ShardedParam:
         full = self._full_padded
         self._storage = None if meta or full is None else full.untyped_storage()
         self._nbytes = 0 if full is None else full.numel() * full.element_size()
-        self._rows = None if full is None else full.data.view(self.shard_size, self.chunk_numel)
+        # (S, C * row_numel) rank-major rows of the unsharded buffer: dim 0 only.
+        self._rows = (None if full is None or self.shard_dim != 0
+                      else full.data.view(self.shard_size, self.chunk_numel))
         self.ext = None
         self.refresh_extension()
         if not self.direct:
@@ -359,7 +370,8 @@ class ShardedParam:
 
     @property
     def full_padded(self) -> torch.Tensor:
-        """(S*C, *rest) buffer behind the unsharded parameter."""
+        """The buffer behind the unsharded parameter: (S*C, *rest) padded rows on dim 0,
+        the original shape (contiguous, no padding) on another dim ([Note: layout])."""
         return self._full_padded
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
@@ -387,10 +399,33 @@ class ShardedParam:
         if storage.size() != 0:
             storage.resize_(0)
 
-    def unsharded_rows_view(self) -> torch.Tensor:
-        """(S, C * row_numel) view of the unsharded buffer: row r is rank r's chunk."""
-        assert self._rows is not None, "a subclass parameter has no flat unsharded buffer"
+    def unsharded_rows_view(self) -> torch.Tensor | None:
+        """(S, C * row_numel) view of the unsharded buffer (row r is rank r's chunk) for a
+        dim-0 parameter; None on another dim (`copy_out` / `rows_into` copy instead)."""
+        assert self._full_padded is not None, "a subclass parameter has no unsharded buffer"
         return self._rows
+
+    def copy_out(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
+        """Write gathered rank-major `rows` ((S, C * row_numel)) into the unsharded
+        parameter (`.data`: no autograd version bump, see Unit.wait_unshard)."""
+        if self._rows is not None:
+            self._rows.copy_(rows, non_blocking=non_blocking)
+        else:
+            rows_into_full(rows, self._full_padded.data, self.shard_dim, self.chunk_rows,
+                           non_blocking)
+
+    def rows_into(self, dst: torch.Tensor, first_rank: int) -> None:
+        """Copy ranks `first_rank ..`'s rows of the unsharded parameter into `dst`
+        ((R, C * row_numel), padding rows zero as the gather had them): what hpZ keeps."""
+        if self._rows is not None:
+            dst.copy_(self._rows[first_rank: first_rank + dst.shape[0]])
+        else:
+            full_into_rows(self._full_padded.data, dst, self.shard_dim, self.chunk_rows,
+                           first_rank)
+
+    def gathered_local_rows(self) -> torch.Tensor:
+        """This rank's rows of the unsharded parameter, shaped like `local` (a view)."""
+        return self.to_rows(self._full_padded.data)[self.row_start: self.row_end]
 
     # --- materialization (meta -> real) ------------------------------------------------
 

@@ -292,9 +292,15 @@ class Unit:
                 # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
                 # views so the copy does not bump the autograd version counter that tensors
                 # saved in forward check in backward (they alias this storage).
-                torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1,
-                                            out=[p.unsharded_rows_view()
-                                                 for p in pg.bucket.gathered])
+                dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
+                if all(d is not None for d in dsts):
+                    torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
+                else:
+                    # A parameter on another dim is copied into its own layout
+                    # ([Note: layout] in sharded_param.py), on this (compute) stream too.
+                    for p, part in zip(pg.bucket.gathered,
+                                       rows.split(pg.bucket.sizes, dim=1)):
+                        p.copy_out(part)
                 self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
                 self.pool.release(pg.out)
                 self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
@@ -305,7 +311,7 @@ class Unit:
                 for p in self.params:
                     if not p.direct and p.ext is None:
                         p.alloc_unsharded()
-                        p.full_padded.data.copy_(p.padded_shard, non_blocking=True)
+                        p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
         self._gathers.clear()
         for p in self.params:
             for ref in p.refs:
@@ -339,9 +345,8 @@ class Unit:
                 return True  # what its hooks gathered cannot be compared to the shard
             if p.direct:
                 continue
-            mine = p.unsharded_rows_view()[p.shard_rank][: p.local_rows * p.row_numel]
-            if not torch.equal(mine, p.local.reshape(-1).to(device=mine.device,
-                                                            dtype=mine.dtype)):
+            mine = p.gathered_local_rows()
+            if not torch.equal(mine, p.local.to(device=mine.device, dtype=mine.dtype)):
                 return True
         return False
 
