@@ -303,5 +303,13 @@ def bad_input(rank: int, world: int) -> list[str]:
             assert head in str(ours), (name, str(ours), str(theirs))
             assert extra in str(ours), (name, str(ours))
             msgs.append(f"{name}: {ours}")
+    # FSDP2 runs replicate-only dims as DDP; shardwise refuses them rather than shard over
+    # a dim its parameters call Replicate.
+    mine = model()
+    if rank == 0:
+        ours = _raised(lambda: sw.fully_shard(mine.head, mesh=mesh, dp_mesh_dims=(
+            DataParallelMeshDims(replicate="dp"))), "replicate only")
+        assert isinstance(ours, NotImplementedError) and "replicate dims only" in str(ours)
+        msgs.append(f"replicate only: {ours}")
     torch.distributed.barrier()
     return msgs

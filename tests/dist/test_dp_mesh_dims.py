@@ -39,4 +39,4 @@ def test_4_ranks_dp_x_tp_hsdp_by_names_flattened_shard_dims(tmp_path: Path) -> N
 
 def test_bad_input_raises_as_fsdp2_before_any_collective() -> None:
     msgs = run_distributed(W.bad_input, 4)[0]
-    assert len(msgs) == 6, msgs
+    assert len(msgs) == 7, msgs

@@ -117,6 +117,12 @@ def check_mesh(mesh: object, dp_mesh_dims: object) -> tuple[tuple[str, ...], tup
                          f"(got mesh={mesh!r}): pass the full SPMD DeviceMesh the "
                          "parameters live on, built with mesh_dim_names")
     names = tuple(mesh.mesh_dim_names)
+    if not shard:
+        # FSDP2 runs these as DDP; the engine's groups would take the replicate dim for a
+        # shard dim while the parameters still said Replicate: wrong numbers, so refused.
+        raise NotImplementedError(
+            f"dp_mesh_dims={dp_mesh_dims!r} names replicate dims only (DDP): shardwise needs "
+            f"at least one shard dim among {names}")
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names "
