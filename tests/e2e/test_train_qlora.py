@@ -50,15 +50,11 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd
 
 
-def _init_as_materialize(model: nn.Module, seed: int) -> None:
-    """The adapters as `sw.materialize(model, init_fn=_init_weights, seed)` draws them on
-    the sharded run: every module's initializer in order from one seed, then peft's own
-    adapter init (the base weights drawn here are replaced by the folder's)."""
-    inner = model.get_base_model()
+def _init_adapters(model: nn.Module, seed: int) -> None:
+    """The adapters as the QLoRA run makes them: peft's own init (A Kaiming-uniform, B
+    zero) of each LoRA layer in module order, from the run's seed."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for m in model.modules():
-            inner._init_weights(m)
         for m in model.modules():
             if callable(getattr(m, "reset_lora_parameters", None)) and \
                     isinstance(getattr(m, "lora_A", None), nn.ModuleDict):
@@ -83,7 +79,7 @@ def _reference(ws: Path) -> tuple[list[float], nn.Module]:
 
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(ws / "llama")))
     model = get_peft_model(base, lora_config(cfg))
-    _init_as_materialize(model, cfg.train.seed)
+    _init_adapters(model, cfg.train.seed)
     # Stored keys of the adapted linears are their base_layer's in the peft model.
     own = set(base.state_dict())
     sd = {k if k in own else k.removesuffix(".weight") + ".base_layer.weight": v

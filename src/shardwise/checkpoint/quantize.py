@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the engine's core stays unimported by `export --hf` (train/
     from ..engine.core.sharded_param import ShardedParam
 
 QUANTIZE_KINDS = ("nf4",)
+_PIECE = 1 << 20  # values quantized at once (a multiple of the block size)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,17 @@ def rows_part(local: torch.Tensor, spec: NF4) -> tuple[torch.Tensor, torch.Tenso
     )
 
     flat = local.reshape(-1)
-    n_local = flat.numel() // spec.block_size
-    absmax = get_block_absmax(flat, spec.block_size)  # (n_local,)
-    codes = NF4Tensor.convert_to_norm_float_weight(local, n_local, spec.block_size,
-                                                   _lut(local.dtype).to(local.device))
+    bs = spec.block_size
+    absmax = get_block_absmax(flat, bs)  # (numel / bs,)
+    lut = _lut(local.dtype).to(local.device)
+    # Codes depend on their own block alone: made a piece at a time, torchao's temporaries
+    # (several bytes a value) stay bounded by the piece instead of the weight.
+    codes = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=local.device)
+    step = max(bs, _PIECE // bs * bs)
+    for start in range(0, flat.numel(), step):
+        piece = flat[start:start + step]
+        codes[start // 2:(start + piece.numel()) // 2] = \
+            NF4Tensor.convert_to_norm_float_weight(piece, piece.numel() // bs, bs, lut)
     return codes, absmax
 
 

@@ -18,7 +18,7 @@ from torch import nn
 import shardwise as sw
 
 from .config import Config
-from .qlora import SPEC
+from .qlora import SPEC, init_adapters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE = -100  # a target the loss does not count (prompt tokens, padding)
@@ -76,6 +76,8 @@ def build_hf(cfg: Config) -> nn.Module:
         # Non-reentrant: the unit's hooks run again in the recomputation (engine/hooks.py).
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.quantize:
+        init_adapters(model, cfg.train.seed)
     model.config.use_cache = False  # no KV cache while training
     s = cfg.shard
     sw.shard_model(
@@ -87,7 +89,9 @@ def build_hf(cfg: Config) -> nn.Module:
     # Everything the checkpoint does not hold (adapters, computed buffers such as rotary
     # inv_freq) gets the model's own initialization; LoRA's B starts at zero (materialize
     # re-runs peft's adapter init), so the adapted model starts as the base model.
-    sw.materialize(model, init_fn=inner._init_weights, seed=cfg.train.seed)
+    # QLoRA made its adapters before sharding ([Note: QLoRA build] in qlora.py).
+    if not cfg.model.quantize:
+        sw.materialize(model, init_fn=inner._init_weights, seed=cfg.train.seed)
     # Each rank reads only its rows. With LoRA the adapters are not in the folder (strict
     # would refuse them): they keep the init above. peft froze the base before sharding.
     # QLoRA: the frozen base linears become NF4 as they load (qlora.py), each rank

@@ -86,3 +86,26 @@ def mark_bf16(folder: str) -> None:
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """[Note: QLoRA build] The adapters of a meta-built peft model, made on the host and
+    initialized before sharding, by peft's own init (A Kaiming-uniform, B zero), layer by
+    layer in module order from `seed`. A QLoRA build then skips `sw.materialize`, which
+    would allocate every base shard in model.dtype first (measured: +149 MiB RSS after
+    loading per rank, benchmarks/qlora_memory.py) only for load_pretrained to replace it
+    with NF4: the base goes from meta straight to its NF4 shards."""
+    from torch import nn
+
+    configs = getattr(model, "peft_config", None) or {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in model.modules():
+            reset = getattr(m, "reset_lora_parameters", None)
+            adapters = getattr(m, "lora_A", None)
+            if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+                continue
+            for name in adapters.keys():
+                m.lora_A[name].to_empty(device="cpu")
+                m.lora_B[name].to_empty(device="cpu")
+                reset(name, getattr(configs.get(name), "init_lora_weights", True))
