@@ -23,6 +23,8 @@ def test_nf4_needs_lora_adapters_and_torchao(llama: str,
     with pytest.raises(ValueError, match="model.quantize='nf4' needs lora.rank > 0"):
         O.build(base)
     assert O.build({**base, "lora.rank": "4"}).model.quantize == "nf4"
+    with pytest.raises(ValueError, match="NO_SHARD is not supported"):
+        O.build({**base, "lora.rank": "4", "shard.sharding_strategy": "NO_SHARD"})
     from shardwise.train import qlora
 
     monkeypatch.setattr(qlora, "missing", lambda *m: list(m))

@@ -355,7 +355,8 @@ class Config:
             if self.model.quantize:
                 from .qlora import check_quantize
 
-                check_quantize(self.model.quantize, self.lora.rank)
+                check_quantize(self.model.quantize, self.lora.rank,
+                               self.shard.sharding_strategy)
         else:
             _check(self.lora.rank == 0, f"lora.rank={self.lora.rank} needs model.hf: LoRA "
                    "adapts a Hugging Face model's linear layers (the built-in GPT has none)")

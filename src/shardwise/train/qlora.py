@@ -25,12 +25,17 @@ from .hf_deps import missing
 SPEC = NF4()
 
 
-def check_quantize(kind: str, lora_rank: int) -> None:
-    """model.quantize's cross-checks: LoRA adapters to train, torchao installed."""
+def check_quantize(kind: str, lora_rank: int, strategy: str) -> None:
+    """model.quantize's cross-checks: LoRA adapters to train, a sharded strategy (NF4
+    gathers through FSDP2's all-gather hooks, which need a shard mesh), torchao installed."""
     if not lora_rank:
         raise ValueError(f"model.quantize={kind!r} needs lora.rank > 0: the NF4 base is "
                          "frozen, so a QLoRA run trains LoRA adapters beside it (e.g. "
                          "--lora.rank 8)")
+    if strategy == "NO_SHARD":
+        raise ValueError(f"model.quantize={kind!r} with shard.sharding_strategy=NO_SHARD is "
+                         "not supported: NF4 weights gather through FSDP2's all-gather hooks; "
+                         "use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD")
     if missing("torchao"):
         raise ValueError(f"model.quantize={kind!r} needs torchao, which is not installed: "
                          "pip install 'shardwise[qlora]'")
