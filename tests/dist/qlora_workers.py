@@ -36,7 +36,7 @@ def _peft(model: nn.Module) -> nn.Module:
                                             lora_dropout=0.0))
 
 
-def _sharded(folder: str, quantize: object = None) -> tuple[nn.Module, object]:
+def _sharded(folder: str) -> nn.Module:
     import transformers as tf
 
     cfg = tf.AutoConfig.from_pretrained(folder)
@@ -44,9 +44,7 @@ def _sharded(folder: str, quantize: object = None) -> tuple[nn.Module, object]:
         model = _peft(tf.AutoModelForCausalLM.from_config(cfg))
     sw.shard_model(model, auto_wrap_policy="transformer")
     sw.materialize(model, init_fn=model.get_base_model()._init_weights, seed=0)
-    if quantize is None:
-        return model, None
-    return model, sw.load_pretrained(model, folder, strict=False, quantize=quantize)
+    return model
 
 
 def _quantize_linears(model: nn.Module) -> None:
@@ -114,12 +112,12 @@ def load_nf4(rank: int, world: int, folder: str) -> dict:
     out: dict = {}
     # torchao's default blocks (64 x 256 = 16384 values per rank) fit no weight here:
     # refused on every rank, naming the weights, before anything is read.
-    model, _ = _sharded(folder)
+    model = _sharded(folder)
     try:
         sw.load_pretrained(model, folder, strict=False, quantize="nf4")
     except ValueError as e:
         out["refused"] = str(e)
-    model, res = _sharded(folder, sw.NF4(**SPEC))
+    res = sw.load_pretrained(model, folder, strict=False, quantize=sw.NF4(**SPEC))
     out["quantized"] = sorted(res.quantized_keys)
     stored = load_file(f"{folder}/model.safetensors")
     # Each rank's shard equals torchao's chunk of the whole weight quantized in one
