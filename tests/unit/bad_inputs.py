@@ -99,6 +99,12 @@ def _shard_dim(dim: int) -> Any:
     return Shard(dim)
 
 
+def _dp_dims() -> object:
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    return DataParallelMeshDims(shard="dp")
+
+
 def _replicate() -> Any:
     from torch.distributed.tensor import Replicate
 
@@ -182,6 +188,10 @@ CASES: list[Case] = [
         "None, a bool or an int group size", _fs(reshard_after_forward="yes")),
     api("fully_shard(reshard_after_forward)", "3 (shard group of 1)", "reshard_after_forward=3 "
         "as an int must be a divisor of the shard group size 1", _fs(reshard_after_forward=3)),
+    api("fully_shard(dp_mesh_dims)", "'dp'", "dp_mesh_dims='dp' must be a "
+        "torch.distributed.fsdp.DataParallelMeshDims", _fs(dp_mesh_dims="dp")),
+    api("fully_shard(dp_mesh_dims)", "shard=('dp',) without a mesh", "mesh must have "
+        "mesh_dim_names when dp_mesh_dims is provided", _fs(dp_mesh_dims=_dp_dims())),
     # FSDP2's module methods and module-level functions
     api("FSDPModule.set_reshard_after_forward", "1", "reshard_after_forward should be a bool",
         lambda: sharded().set_reshard_after_forward(1)),  # type: ignore[arg-type]
@@ -195,8 +205,9 @@ CASES: list[Case] = [
         lambda: sw.register_fsdp_forward_method(sharded(), "nope")),
     api("share_comm_ctx(modules)", "[nn.Linear]", "share_comm_ctx expects sharded modules",
         lambda: sw.share_comm_ctx([nn.Linear(2, 2)])),
-    api("fully_shard(shard_placement_fn)", "lambda p: Shard(1)", "shardwise shards every "
-        "parameter on dim 0 only", _fs(shard_placement_fn=lambda p: _shard_dim(1))),
+    api("fully_shard(shard_placement_fn)", "lambda p: Shard(1) (a 1-D bias has no dim 1)",
+        "returned Shard(1) for parameter 'blocks.0.fc.bias' of shape (4,): dim out of range",
+        _fs(shard_placement_fn=lambda p: _shard_dim(1))),
     api("fully_shard(shard_placement_fn)", "lambda p: Replicate()", "must return torch's "
         "Shard(dim) or None", _fs(shard_placement_fn=lambda p: _replicate())),
     api("fully_shard(shard_placement_fn)", "3", "shard_placement_fn=3 is not allowed",
