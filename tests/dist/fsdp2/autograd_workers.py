@@ -12,6 +12,7 @@ from torch import nn
 
 import shardwise as sw
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, global_batch, ref_step
+from tests.dist.fsdp2.hpz import in_blocks
 from tests.dist.fsdp2.models import DoubleLinear
 
 DIM = 7
@@ -21,7 +22,8 @@ def _rand(g: torch.Generator) -> torch.Tensor:
     return torch.rand((2, DIM), generator=g)
 
 
-def unused_forward_output(rank: int, world: int, ex: Expect, reshard_after_forward: bool) -> None:
+def unused_forward_output(rank: int, world: int, ex: Expect,
+                          reshard_after_forward: bool | int) -> None:
     """Both outputs in the loss for 3 iterations, then only the first: the second linear's
     parameters get no gradient (None, not zeros) once they stop being used."""
     torch.manual_seed(42)
@@ -47,7 +49,8 @@ def unused_forward_output(rank: int, world: int, ex: Expect, reshard_after_forwa
     check_sharded_parity(ex, ref, model, rank, world, "after training")
 
 
-def unused_forward_module(rank: int, world: int, ex: Expect, reshard_after_forward: bool) -> None:
+def unused_forward_module(rank: int, world: int, ex: Expect,
+                          reshard_after_forward: bool | int) -> None:
     """A unit that never runs forward: its parameters keep None gradients and never move."""
     torch.manual_seed(42)
     model = DoubleLinear(DIM, use_second_linear=False)
@@ -55,6 +58,11 @@ def unused_forward_module(rank: int, world: int, ex: Expect, reshard_after_forwa
     for m in (model.lin1, model.lin2, model):
         sw.fully_shard(m, reshard_after_forward=reshard_after_forward)
     _train_sum_loss(rank, world, ex, model, ref, 6)
+
+
+# reshard_after_forward=2 at 4 ranks, backward gathering within 2-rank blocks (hpz.py)
+unused_forward_output_hpz = in_blocks(unused_forward_output, __name__)
+unused_forward_module_hpz = in_blocks(unused_forward_module, __name__)
 
 
 def _train_sum_loss(rank: int, world: int, ex: Expect, model: nn.Module, ref: nn.Module,

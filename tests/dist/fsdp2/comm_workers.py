@@ -19,11 +19,12 @@ from tests.dist.fsdp2.common import (
     shard_rows,
     sharded_modules,
 )
+from tests.dist.fsdp2.hpz import Gather, K, record_gathers
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
 
 
 def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
-                 reshard_after_forward: bool | None = True
+                 reshard_after_forward: bool | int | None = True
                  ) -> tuple[Transformer, torch.Tensor]:
     torch.manual_seed(42)
     args = ModelArgs(n_layers=n_layers, checkpoint_activations=checkpoint_impl == "utils")
@@ -37,21 +38,34 @@ def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
     return model, torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=g)
 
 
+def _groups(ex: Expect, log: list[Gather], size: int, what: str) -> None:
+    """Every all-gather in `log` ran over `size` ranks (hpZ: forward over the shard group,
+    backward within the K-rank blocks)."""
+    got = [(g.label, g.group) for g in log if g.group != size]
+    ex.true(not got, f"{what}: all-gathers over other than {size} ranks: {got}")
+
+
 def communication_count(rank: int, world: int, ex: Expect,
-                        reshard_after_forward: bool | None) -> None:
+                        reshard_after_forward: bool | int | None) -> None:
     """Forward: one all-gather per unit. Backward: one reduce-scatter per unit, and an
     all-gather per resharded unit: with None (FSDP2's default) the root keeps its
-    parameters; an explicit True reshards the root too, as torch 2.13's FSDP2 does."""
+    parameters; an explicit True reshards the root too, as torch 2.13's FSDP2 does. An
+    int (hpZ) reshards every unit as True does, and backward gathers within K-rank blocks."""
+    hpz = type(reshard_after_forward) is int
     model, inp = _transformer(reshard_after_forward=reshard_after_forward)
     blocks = len(transformer_blocks(model))
     for it in range(2):
-        with record_collectives() as fwd:
+        with record_collectives() as fwd, record_gathers() as fwd_groups:
             loss = model(inp)
         ex.true([r[0] for r in fwd] == ["all_gather"] * (blocks + 1),
                 f"iter {it}: forward issued {[r[:2] for r in fwd]}")
-        with record_collectives() as bwd:
+        with record_collectives() as bwd, record_gathers() as bwd_groups:
             loss.sum().backward()
-        ag = {None: blocks, True: blocks + 1, False: 0}[reshard_after_forward]
+        if hpz:
+            _groups(ex, fwd_groups, world, f"iter {it} forward")
+            _groups(ex, bwd_groups, K, f"iter {it} backward")
+        ag = blocks + 1 if hpz else {None: blocks, True: blocks + 1,
+                                     False: 0}[reshard_after_forward]
         ex.true(count(bwd, "all_gather") == ag,
                 f"iter {it}: backward all-gathers {count(bwd, 'all_gather')}, expected {ag}")
         ex.true(count(bwd, "reduce_scatter") == blocks + 1,
@@ -78,30 +92,63 @@ def manual_reshard_with_reshard_after_forward_false(rank: int, world: int, ex: E
             f"backward reduce-scatters {count(bwd, 'reduce_scatter')}, expected {units}")
 
 
-def backward_prefetch(rank: int, world: int, ex: Expect, reshard_after_forward: bool | None,
-                      checkpoint_impl: str) -> None:
+def backward_prefetch(rank: int, world: int, ex: Expect,
+                      reshard_after_forward: bool | int | None, checkpoint_impl: str) -> None:
     """In backward, the previous block's all-gather is issued before the current block's
     reduce-scatter (upstream's expected event order); activation checkpointing changes
     nothing about it. An explicit reshard_after_forward resharded the root too: it
-    gathers first."""
+    gathers first. An int (hpZ) gives True's order, every backward gather within a block."""
+    hpz = type(reshard_after_forward) is int
     impl = None if checkpoint_impl == "none" else checkpoint_impl
     model, inp = _transformer(3, impl, reshard_after_forward)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ag, rs = "all_gather", "reduce_scatter"
     expected = [(ag, "layers.2"), (ag, "layers.1"), (rs, "layers.2"), (ag, "layers.0"),
                 (rs, "layers.1"), (rs, "layers.0"), (rs, "<root>")]
-    if reshard_after_forward is True:
+    if reshard_after_forward is True or hpz:
         expected.insert(0, (ag, "<root>"))
     if reshard_after_forward is False:
         expected = [e for e in expected if e[0] != ag]
     for it in range(3):
         loss = model(inp)
-        with record_collectives() as log:
+        with record_collectives() as log, record_gathers() as groups:
             loss.sum().backward()
         got = [(op, label) for op, label, _, _ in log]
         ex.true(got == expected, f"iter {it}: backward order {got}, expected {expected}")
+        if hpz:
+            _groups(ex, groups, K, f"iter {it} backward")
         opt.step()
         opt.zero_grad(set_to_none=(it % 2 == 0))
+
+
+def backward_prefetch_multi_forward(rank: int, world: int, ex: Expect,
+                                    reshard_after_forward: bool | int,
+                                    checkpoint_impl: str) -> None:
+    """Upstream's two forwards before one backward, by numbers (its event list counts
+    FSDP2's no-op unshard calls): gradients equal the unsharded model's, the second
+    forward gathered every unit again, and under hpZ backward gathered within blocks
+    where a unit still held its block rows (the first backward through it)."""
+    impl = None if checkpoint_impl == "none" else checkpoint_impl
+    torch.manual_seed(42)
+    ref = Transformer(ModelArgs(n_layers=3, checkpoint_activations=impl == "utils"))
+    model, inp = _transformer(3, impl, reshard_after_forward)
+    ref.load_state_dict(sw.full_state_dict(model))
+    units = len(sharded_modules(model))
+    with record_collectives() as fwd:
+        loss1, loss2 = model(inp), model(inp)
+    ex.true(count(fwd, "all_gather") == 2 * units,
+            f"two forwards all-gathered {count(fwd, 'all_gather')} times, expected {2 * units}")
+    with record_gathers() as bwd:
+        (loss1 + loss2).sum().backward()
+    (ref(inp) + ref(inp)).sum().backward()
+    named = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        ex.close(local_of(p.grad), shard_rows(named[n].grad, rank, world), f"grad {n}",
+                 rtol=1e-5, atol=1e-5)
+    if type(reshard_after_forward) is int:
+        sizes = sorted({g.group for g in bwd})
+        ex.true(sizes == [K, world], f"backward all-gathers over {sizes} ranks: expected "
+                                     f"[{K}, {world}] (blocks first, then full regathers)")
 
 
 def unshard_no_param_group(rank: int, world: int, ex: Expect) -> None:

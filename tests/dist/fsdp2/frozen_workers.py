@@ -21,6 +21,7 @@ from tests.dist.fsdp2.common import (
     train_parity,
 )
 from tests.dist.fsdp2.common import sum_loss as _sum
+from tests.dist.fsdp2.hpz import in_blocks
 from tests.dist.fsdp2.models import MLP
 
 
@@ -32,7 +33,8 @@ def _freeze_weights(model: nn.Module) -> None:
 
 
 def mixed_requires_grad_per_group(rank: int, world: int, ex: Expect,
-                                  reshard_after_forward: bool, activation_checkpointing: bool,
+                                  reshard_after_forward: bool | int,
+                                  activation_checkpointing: bool,
                                   freeze_after_init: bool) -> None:
     """Frozen weights and trainable biases in every unit: parity, and each unit's
     reduce-scatter carries the biases (padded chunks), never the frozen weights."""
@@ -64,7 +66,8 @@ def mixed_requires_grad_per_group(rank: int, world: int, ex: Expect,
 
 
 def mixed_requires_grad_across_groups(rank: int, world: int, ex: Expect,
-                                      reshard_after_forward: bool, unfreeze_params: bool) -> None:
+                                      reshard_after_forward: bool | int,
+                                      unfreeze_params: bool) -> None:
     """Every other Linear unit frozen after sharding, an iteration under no_grad, and
     (optionally) everything unfrozen for the last iteration, as some fine-tuning does."""
     torch.manual_seed(42)
@@ -108,7 +111,7 @@ def mixed_requires_grad_across_groups(rank: int, world: int, ex: Expect,
 
 
 def multi_forward_mixed_requires_grad(rank: int, world: int, ex: Expect,
-                                      reshard_after_forward: bool) -> None:
+                                      reshard_after_forward: bool | int) -> None:
     """A frozen and a trainable unit each used several times per forward, once under
     no_grad."""
 
@@ -134,3 +137,10 @@ def multi_forward_mixed_requires_grad(rank: int, world: int, ex: Expect,
     for m in (model.layer_0, model.layer_no_grad, model.layer_with_grad, model):
         sw.fully_shard(m, reshard_after_forward=reshard_after_forward)
     train_parity(rank, world, ex, model, ref, randn(8, 5), _sum, "multi-forward frozen")
+
+
+# reshard_after_forward=2 at 4 ranks, backward gathering within 2-rank blocks (hpz.py)
+mixed_requires_grad_per_group_hpz = in_blocks(mixed_requires_grad_per_group, __name__)
+mixed_requires_grad_across_groups_hpz = in_blocks(mixed_requires_grad_across_groups, __name__)
+multi_forward_mixed_requires_grad_hpz = in_blocks(multi_forward_mixed_requires_grad, __name__,
+                                                  all_in_blocks=False)

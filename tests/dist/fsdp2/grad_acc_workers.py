@@ -30,6 +30,7 @@ from tests.dist.fsdp2.common import (
     tokens,
 )
 from tests.dist.fsdp2.common import sum_loss as _sum
+from tests.dist.fsdp2.hpz import K, check_blocks, record_gathers
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
 
 _MESHES: dict[tuple[int, ...], DeviceMesh] = {}
@@ -57,8 +58,8 @@ def shard_size_of(mesh: DeviceMesh | None, world: int) -> int:
 
 def raf_value(raf: str, shard_size: int) -> bool | int:
     """'int' is FSDP2's int form at the shard-group size (the same as True); 'int1' is 1
-    (the same as False)."""
-    return {"true": True, "false": False, "int": shard_size, "int1": 1}[raf]
+    (the same as False); 'k2' is 2, hpZ at 4 ranks (tests/dist/fsdp2/hpz.py)."""
+    return {"true": True, "false": False, "int": shard_size, "int1": 1, "k2": K}[raf]
 
 
 def unit_counts(log: list, labels: set[str]) -> dict[str, int]:
@@ -106,7 +107,7 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, mesh: str, raf: str
         model.set_is_last_backward(last)
 
     for it in range(3):
-        with record_collectives() as log:
+        with record_collectives() as log, record_gathers() as groups:
             for mb in range(microbatches):
                 last = mb == microbatches - 1
                 set_flags(last)
@@ -134,6 +135,8 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, mesh: str, raf: str
                 "all_gather": ag if S > 1 else 0}
         for op, n in want.items():
             ex.true(got[op] == n, f"iter {it}: {got[op]} {op}s, expected {n}")
+        if raf == "k2":  # every micro-batch's backward gathers within the 2-rank blocks
+            check_blocks(ex, groups, world, f"iter {it}", all_in_blocks=True)
         # The mesh is (replicate, shard), row-major: the shard rank is the last coordinate.
         check_sharded_parity(ex, ref, model, rank % S, S, f"iter {it}")
         for o in (opt, ref_opt):

@@ -24,6 +24,7 @@ from shardwise.engine.core.dtensor import local_of
 from tests.dist.fsdp2.common import Expect, check_sharded_parity, global_batch, randn
 from tests.dist.fsdp2.common import record_collectives as record
 from tests.dist.fsdp2.common import sum_loss as _sum
+from tests.dist.fsdp2.hpz import in_blocks
 from tests.dist.fsdp2.models import MLP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -78,7 +79,7 @@ class Reference:
                 pc.copy_(pm)
 
 
-def _mlps(reshard_after_forward: bool, pd: torch.dtype | None, rd: torch.dtype | None,
+def _mlps(reshard_after_forward: bool | int, pd: torch.dtype | None, rd: torch.dtype | None,
           world: int) -> tuple[nn.Module, Reference]:
     torch.manual_seed(42)
     model = nn.Sequential(*[MLP(16) for _ in range(3)])
@@ -110,7 +111,7 @@ def _train(rank: int, world: int, ex: Expect, model: nn.Module, ref: Reference,
 
 
 def compute_dtype(rank: int, world: int, ex: Expect, param_dtype: str,
-                  reshard_after_forward: bool) -> None:
+                  reshard_after_forward: bool | int) -> None:
     """Compute and reduce in bf16/fp16 (reduce_dtype unset), fp32 master weights."""
     pd = DTYPES[param_dtype]
     model, ref = _mlps(reshard_after_forward, pd, None, world)
@@ -118,11 +119,16 @@ def compute_dtype(rank: int, world: int, ex: Expect, param_dtype: str,
 
 
 def reduce_dtype(rank: int, world: int, ex: Expect, param_dtype: str, reduce: str,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool | int) -> None:
     """bf16 compute with fp32 reduction, or fp32 compute with bf16 reduction."""
     pd, rd = DTYPES[param_dtype], DTYPES[reduce]
     model, ref = _mlps(reshard_after_forward, pd, rd, world)
     _train(rank, world, ex, model, ref, rd)
+
+
+# reshard_after_forward=2 at 4 ranks, backward gathering within 2-rank blocks (hpz.py)
+compute_dtype_hpz = in_blocks(compute_dtype, __name__)
+reduce_dtype_hpz = in_blocks(reduce_dtype, __name__)
 
 
 def reduce_dtype_after_frozen_first_forward(rank: int, world: int, ex: Expect) -> None:

@@ -4,11 +4,12 @@ older test_fully_shard_grad_acc.py: the axes the first port (test_training.py) l
 Grid as upstream's, with upstream's skips: reshard_after_backward=False only with
 reshard_after_forward=False and mode "all"/"root_only"; CPU offload only with
 reshard_after_forward=True. reshard_after_forward's int form is taken at the shard-group
-size ("int", FSDP2's True) and at 1 ("int1", FSDP2's False); a proper divisor (upstream's 2
-at 4 ranks) is refused by shardwise (docs/porting.md). HSDP meshes: (world, 1) and
-(1, world) at 2 and 3 ranks, (2, 2) at 4 ranks as upstream. Upstream's reduce_scatter_only
-axis (set_requires_all_reduce(False) under HSDP) defers the all-reduce to the last
-micro-batch (issue 36). test_fully_shard_mixed_precision.py's test_grad_acc_with_reduce_dtype with its
+size ("int", FSDP2's True), at 1 ("int1", FSDP2's False) and, at 4 ranks on the 1-D mesh,
+at upstream's proper divisor 2 ("k2", hpZ: every backward all-gather within a 2-rank
+block, tests/dist/fsdp2/hpz.py). HSDP meshes: (world, 1) and (1, world) at 2 and 3 ranks,
+(2, 2) at 4 ranks as upstream. Upstream's reduce_scatter_only axis
+(set_requires_all_reduce(False) under HSDP) defers the all-reduce to the last micro-batch
+(issue 36). test_fully_shard_mixed_precision.py's test_grad_acc_with_reduce_dtype with its
 set_reshard_after_backward(last or reshard_after_forward) is here too, and so are the numbers
 of test_fully_shard_pending_grad.py's test_native_accumulation_dtypes (its
 get_pending_gradients API is newer than torch 2.13), and pipeline schedules with several
@@ -44,6 +45,10 @@ def _accumulation_cases() -> list[Case]:
                                           dict(mesh=mesh, raf=raf, mode=mode,
                                                reshard_after_backward=rab, offload=offload),
                                           worlds))
+    for mode in ("all", "root_only", "some_mlps"):
+        cases.append(Case("gradient_accumulation", W.gradient_accumulation,
+                          dict(mesh="world", raf="k2", mode=mode, reshard_after_backward=True,
+                               offload=False), (4,)))
     return cases
 
 

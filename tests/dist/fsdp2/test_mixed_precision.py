@@ -1,8 +1,14 @@
 """Port of upstream test_fully_shard_mixed_precision.py. Upstream runs these on accelerators
 only; on CPU/gloo the same numerics apply (bf16/fp16 compute on CPU, gloo moves the bytes).
 
-Left out, needs issue 14 (DTensor/FSDP2 API): reshard_after_forward=2 and
-use_shard_placement_fn axes (shard_placement_fn); (set_reshard_after_backward of
+reshard_after_forward=2 (hpZ) runs at 4 ranks (at 2 it is True), in one set of processes:
+compute_dtype (bf16 and fp16) and both reduce_dtype forms (bf16 compute with fp32 reduce,
+fp32 compute with bf16 reduce), with upstream's parity and reduce-scatter dtype checks plus
+every backward all-gather within a 2-rank block (tests/dist/fsdp2/hpz.py); the kept block
+rows are in the compute dtype, so these check the values they gather back.
+Left out: the use_shard_placement_fn axes (with an int reshard_after_forward upstream runs
+them at 2 ranks only, where k=2 is True; shard_placement_fn itself is tested against FSDP2
+in tests/dist/test_shard_dims.py); (set_reshard_after_backward of
 test_grad_acc_with_reduce_dtype: ported in test_grad_acc.py);
 test_no_warmup_jvp_reshard_after_forward_false (meta-device
 init through module.to_empty on DTensor parameters, torch.func.jvp); the ungrouped form of
@@ -26,6 +32,13 @@ CASES: list[Case] = [
           reshard_after_forward=BOOLS),
     *grid("reduce_dtype", W.reduce_dtype, param_dtype=["fp32"], reduce=["bf16"],
           reshard_after_forward=BOOLS),
+    # reshard_after_forward=2 (hpZ), meaningful from 4 ranks on: the kept block rows are in
+    # the compute dtype
+    *grid("compute_dtype_k2", W.compute_dtype_hpz, worlds=(4,), param_dtype=["bf16", "fp16"]),
+    *grid("reduce_dtype_k2", W.reduce_dtype_hpz, worlds=(4,), param_dtype=["bf16"],
+          reduce=["fp32"]),
+    *grid("reduce_dtype_k2", W.reduce_dtype_hpz, worlds=(4,), param_dtype=["fp32"],
+          reduce=["bf16"]),
     Case("reduce_dtype_after_frozen_first_forward", W.reduce_dtype_after_frozen_first_forward),
     *grid("grad_acc_with_reduce_dtype", W.grad_acc_with_reduce_dtype,
           reshard_after_forward=BOOLS),
