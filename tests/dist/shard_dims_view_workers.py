@@ -5,7 +5,8 @@ The experts here call `w.view(E * F, D)` in forward, which needs exactly that la
 movedim view of the gathered rows refuses it), and record each weight's strides. Each case
 trains shardwise, FSDP2 running the same client code and the unsharded reference in one
 process group; losses, gradients and parameters must agree at 1e-5 (in bf16 against FSDP2
-only; hpZ against the unsharded run only, as FSDP2 fails there).
+only; hpZ and parameters kept across steps against the unsharded run only, as FSDP2
+fails at the one and computes with stale parameters at the other).
 """
 
 from __future__ import annotations
@@ -22,7 +23,19 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import Shard
 
 import shardwise as sw
-from tests.dist.shard_dims_workers import VOCAB, D, check_layout, compare, train
+from shardwise.engine.comm import collectives as C
+from tests.dist.shard_dims_workers import (
+    PER_RANK,
+    STEPS,
+    VOCAB,
+    D,
+    batch,
+    check_layout,
+    compare,
+    full,
+    loss_of,
+    train,
+)
 
 
 class FlatExperts(nn.Module):
@@ -89,7 +102,7 @@ def shard(dim: int | None, sw_kw: dict[str, Any], fsdp2_kw: dict[str, Any]
 
 def options(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """shardwise's and FSDP2's keyword arguments for a named option set."""
-    if name == "plain":
+    if name in ("plain", "keep_after_backward"):
         return {}, {}
     if name == "bf16_offload_keep":
         # mixed precision, CPU offload and no reshard after forward together
@@ -122,6 +135,27 @@ def check_seen(model: nn.Module, what: str) -> int:
     return n
 
 
+def train_kept(model: nn.Module, rank: int, world: int) -> dict[str, Any]:
+    """`train` for a model whose units stay gathered after backward: the module then holds
+    the unsharded parameters, so gradients and values are read from the sharded ones the
+    optimizer holds, named before the first forward."""
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    losses, grads = [], []
+    for step in range(STEPS):
+        ids = batch(step, world)[rank * PER_RANK:(rank + 1) * PER_RANK]
+        loss = loss_of(model, ids)
+        loss.backward()
+        t = loss.detach().reshape(1).clone()
+        C.all_reduce(t, None)
+        losses.append(t.item() / world)
+        grads.append({n: full(p.grad).clone() for n, p in params.items()})
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads,
+            "params": {n: full(p.detach()).clone() for n, p in params.items()}}
+
+
 def view_parity(rank: int, world: int,
                 cases: list[tuple[str, int, int, int | None, int, str]]) -> dict[str, int]:
     """Each case: (name, experts, f, Shard dim or None, shardwise's expected dim, options).
@@ -134,12 +168,19 @@ def view_parity(rank: int, world: int,
         how_sw, how_fsdp2 = shard(dim, sw_kw, fsdp2_kw)
         model = copy.deepcopy(base)
         how_sw(model)
+        if opts == "keep_after_backward":
+            # The blocks stay gathered from one backward to the next forward, across the
+            # optimizer step: the stale check must see the shards changed and re-gather.
+            for b in model.blocks:
+                b.set_reshard_after_backward(False)
         check_layout(model, want_dim, name)
-        got = train(model, rank, world, sharded=True)
+        got = (train(model, rank, world, sharded=True) if opts != "keep_after_backward"
+               else train_kept(model, rank, world))
         out[name] = check_seen(model, f"{name}: shardwise")
         # FSDP2 (torch 2.13) cannot run hpZ with Shard(d != 0): backward's copy-out indexes
         # dim d of its 1-D post-forward shard (IndexError in foreach_all_gather_copy_out).
-        if opts != "hpz2":
+        # Nor does it re-gather parameters kept across an optimizer step (they are stale).
+        if opts not in ("hpz2", "keep_after_backward"):
             theirs = copy.deepcopy(base)
             how_fsdp2(theirs)
             want = train(theirs, rank, world, sharded=True)

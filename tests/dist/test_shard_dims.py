@@ -43,6 +43,8 @@ def _view_cases(world: int) -> list:
         ("shard1", 2, 6, 1, 1, "plain"),
         ("default", 2, 6, None, 0 if world == 2 else 1, "plain"),
         ("shard1_bf16_offload_keep", 2, 6, 1, 1, "bf16_offload_keep"),
+        # uneven Shard(2), kept gathered from backward to the next forward
+        ("shard2_kept", 2, 6, 2, 2, "keep_after_backward"),
     ]
 
 
@@ -55,7 +57,8 @@ def test_gathered_expert_weights_are_contiguous_and_view_works(world: int) -> No
     """Forward sees each Shard(1) / balanced-default expert weight with its original
     contiguous strides (FSDP2's unsharded layout), so `w.view(E * F, D)` in forward runs;
     values match FSDP2 and the unsharded run at 1e-5 (mixed precision with CPU offload
-    and no reshard after forward: against FSDP2)."""
+    and no reshard after forward: against FSDP2; uneven Shard(2) kept gathered across
+    optimizer steps: against the unsharded run, which the stale check keeps it equal to)."""
     results = run_distributed(_view, world, timeout_s=300)
     for r in results:
         # 2 blocks x 2 weights per forward, 3 steps (SHARD_GRAD_OP style: no re-gather)
