@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from shardwise.train import options as O
@@ -45,3 +46,16 @@ def test_training_state_counts_nf4_bytes_not_the_dtype() -> None:
     # the plain head with gradient and AdamW's two moments. Counted as fp32 before: 256 KiB.
     nf4 = 256 * 256 // 2 + 256 * 256 // 64 + 4 * 4 + 16 * 4 + 4
     assert local == full == nf4 + 256 * 4 * 4 * 4
+
+
+def test_nf4_codes_made_in_pieces_equal_torchaos() -> None:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from shardwise.checkpoint import quantize as Q
+
+    # 3.25 pieces of 64K values (13 scaler blocks), bf16 as a QLoRA run loads them.
+    w = torch.randn(832, 256, dtype=torch.bfloat16)
+    codes, absmax = Q.rows_part(w, Q.NF4())
+    assert w.numel() > 3 * Q._PIECE
+    assert torch.equal(codes, to_nf4(w).quantized_data)
+    assert torch.equal(absmax, w.reshape(-1, 64).abs().amax(dim=1))

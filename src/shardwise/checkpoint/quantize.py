@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the engine's core stays unimported by `export --hf` (train/
     from ..engine.core.sharded_param import ShardedParam
 
 QUANTIZE_KINDS = ("nf4",)
-_PIECE = 1 << 20  # values quantized at once (a multiple of the block size)
+_PIECE = 1 << 16  # values quantized at once (a multiple of the block size)
 
 
 @dataclass(frozen=True)
