@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import shardwise as sw
+from shardwise.engine.core.layout import balanced_shard_dim
 from shardwise.engine.core.sharded_param import ParamRef, ShardedParam
 from shardwise.testing import run_distributed
 
@@ -185,6 +186,7 @@ def no_padding_leaks(rank: int, world: int, shapes: list[tuple[int, ...]], root:
         "norm": float(norm), "want": float(want),
         "chunk_rows": [sp.padded_shard.shape[0] for sp in sps],
         "local_rows": [sp.local_rows for sp in sps],
+        "shard_dim": [sp.shard_dim for sp in sps],
         # numpy, not tensors: see tests/dist/ckpt_workers.py
         "before": {k: v.numpy() for k, v in sd_before.items()},
         "after": {k: v.numpy() for k, v in sd.items()},
@@ -201,7 +203,12 @@ def _stored(ckpt: str, name: str, tensors: dict) -> torch.Tensor:
         assert t.shape[0] == b - a, f"{name}: a piece holds padding rows"
     if not parts:
         return torch.empty(info["shape"])
-    return torch.cat(parts).reshape(info["shape"])
+    # Pieces are rows of movedim(dim, 0) (checkpoint/manifest.py [Note: checkpoint format]).
+    dim = info.get("dim", 0)
+    shape = list(info["shape"])
+    moved = [shape[dim], *(n for i, n in enumerate(shape) if i != dim)] if shape else []
+    return torch.cat(parts).reshape(moved).movedim(0, dim) if shape else \
+        torch.cat(parts).reshape(shape)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -214,9 +221,13 @@ def test_padding_never_leaks_on_real_ranks(world: int, tmp_path: Path) -> None:
         assert r["norm"] == pytest.approx(r0["want"], rel=1e-6)  # the unsharded norm
         assert r["chunk_rows"] == r0["chunk_rows"]  # equal shards on every rank
     for i, s in enumerate(shapes):
-        dim0 = s[0] if s else 1
-        assert sum(r["local_rows"][i] for r in res) == dim0
-        assert r0["chunk_rows"][i] == math.ceil(dim0 / world)
+        # Rows are slices along the shard dim: dim 0, or the balanced dim a 3-D shape whose
+        # dim 0 splits unevenly takes ([Note: balanced shards]).
+        d = r0["shard_dim"][i]
+        assert d == (balanced_shard_dim(s, world) if s else 0)
+        rows = s[d] if s else 1
+        assert sum(r["local_rows"][i] for r in res) == rows
+        assert r0["chunk_rows"][i] == math.ceil(rows / world)
     for r in res:
         for k, v in r0["ref"].items():
             assert r["before"][k].shape == v.shape and (r["before"][k] == v).all(), k
