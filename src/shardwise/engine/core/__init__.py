@@ -1,6 +1,7 @@
 """The mechanism, layer by layer: one parameter -> one unit -> the schedule -> hooks -> context.
 
-sharded_param.py  one parameter: padded dim-0 shard, unsharded storage, gradient views
+sharded_param.py  one parameter: padded shard and its face; param_*.py: its unsharded storage,
+                  gradients, subclass shards, materialization
 dtensor.py        the DTensor face of a shard; tp.py: a TP DTensor parameter's local piece
 mesh.py           the unit's shard / replicate groups and their transport
 policies.py       the knobs as values; checks.py: argument checks (ValueError before any collective)

@@ -1,4 +1,6 @@
-"""One parameter: its shard, its unsharded form, and the views between them.
+"""One parameter: its shard and the views between rows and the module's face; its unsharded
+storage (param_unsharded.py), gradients (param_grads.py), tensor-subclass shards
+(param_subclass.py) and materialization (param_materialize.py) are mixins of the same class.
 
 [Note: layout] A parameter of shape (D0, *rest) is padded on dim 0 to S * C rows with
 C = ceil(D0 / S) (S = shard-group size) and chunked `torch.chunk`-style: shard-group rank r
@@ -37,8 +39,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import dtensor as DT
-from .extension import Extension, has_hooks, is_subclass, shard_mesh_of
-from .layout import from_rows, full_into_rows, rows_into_full, to_rows
+from .extension import Extension, is_subclass
+from .layout import from_rows, to_rows
+from .param_grads import ParamGrads
+from .param_materialize import Materialize
+from .param_subclass import SubclassShard
+from .param_unsharded import UnshardedStorage
 from .tp import TPContext, TPParam
 
 if TYPE_CHECKING:
@@ -54,7 +60,11 @@ class ParamRef:
     fqn: str
 
 
-class ShardedParam:
+class ShardedParam(UnshardedStorage, ParamGrads, SubclassShard, Materialize):
+    """One parameter's shard and its views (this file); its unsharded storage
+    (param_unsharded.py), gradients (param_grads.py), subclass shards (param_subclass.py)
+    and materialization (param_materialize.py) are mixins, one responsibility each."""
+
     def __init__(
         self,
         param: nn.Parameter,
@@ -146,20 +156,6 @@ class ShardedParam:
             padded = padded.pin_memory()
         self._build(padded, meta=param.is_meta)
 
-    def _subclass_shard(self, param: torch.Tensor) -> torch.Tensor:
-        """This rank's padded chunk of a subclass parameter, made by the subclass's own ops
-        (FSDP2's: new_zeros of the padded size, this rank's torch.chunk copied into its
-        first rows), so it stays the subclass with this rank's share of the inner data."""
-        data = param.detach()
-        chunks = torch.chunk(data, self.shard_size, dim=0)
-        with torch.no_grad():
-            padded = data.new_zeros((self.chunk_rows, *self.rest))
-            if self.local_rows > 0:
-                padded.narrow(0, 0, self.local_rows).copy_(chunks[self.shard_rank])
-        if self.host_device != padded.device:
-            padded = padded.to(self.host_device)
-        return padded
-
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
         self._padded_shard = padded
@@ -197,71 +193,13 @@ class ShardedParam:
             # On another dim the face is a moved view; forward needs the original strides.
             and self.shard_dim == 0
         )
-        if self.subclass:
-            # The unsharded parameter comes from the first gather's post hook; until then
-            # an empty stand-in keeps the flags (requires_grad, .grad = None) meaningful.
-            self._full_padded = None
-            self.unsharded = nn.Parameter(torch.empty(0, dtype=self.compute_dtype,
-                                                      device="meta" if meta else self.device),
-                                          requires_grad=self.requires_grad)
-        elif self.direct:
-            self._full_padded = padded
-            self.unsharded = self.sharded
-        else:
-            # Dim 0: the padded rows the gather writes into; another dim: the parameter's
-            # own contiguous shape, copied into from the gather output ([Note: layout]).
-            shape = ((self.shard_size * self.chunk_rows, *self.rest) if self.shard_dim == 0
-                     else self.orig_shape)
-            full = torch.empty(shape, dtype=self.compute_dtype,
-                               device="meta" if meta else self.device)
-            self._full_padded = full
-            view = full[: self.dim0].view(self.orig_shape) if self.shard_dim == 0 else full
-            self.unsharded = nn.Parameter(
-                view if self.tp is None else self.tp.compute_face(view),
-                requires_grad=self.requires_grad,
-            )
-            self.unsharded._sw_param = self  # type: ignore[attr-defined]
-        # Kept, not remade per gather: views of a tensor follow its storage through
-        # `resize_`, and the storage object is the same one each time.
-        full = self._full_padded
-        self._storage = None if meta or full is None else full.untyped_storage()
-        self._nbytes = 0 if full is None else full.numel() * full.element_size()
-        # (S, C * row_numel) rank-major rows of the unsharded buffer: dim 0 only.
-        self._rows = (None if full is None or self.shard_dim != 0
-                      else full.data.view(self.shard_size, self.chunk_numel))
+        self._build_unsharded(padded, meta)
         self.ext = None
         self.refresh_extension()
         if not self.direct:
             self.free_unsharded()
         for ref in self.refs:
             ref.module._parameters[ref.name] = self.sharded
-
-    def refresh_extension(self) -> bool:
-        """Take up FSDP2's all-gather hooks on the shard (a subclass's, or patched onto it
-        after sharding, FSDP2's monkey-patch recipe); True when that changed."""
-        hooked = has_hooks(DT.local_of(self.sharded))
-        if hooked == (self.ext is not None):
-            return False
-        if not hooked:
-            self.ext = None
-            return True
-        if self.shard_dim != 0:
-            raise NotImplementedError(
-                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) on a "
-                f"parameter sharded on dim {self.shard_dim}: shardwise runs extensions on "
-                "dim-0 shards only; shard it with Shard(0)")
-        if self.direct or self._device_mesh is None:
-            raise NotImplementedError(
-                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) runs on "
-                "parameters sharded on a DeviceMesh; NO_SHARD (sharding_strategy) has none: "
-                "use fully_shard or FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD")
-        self.ext = Extension(self, shard_mesh_of(self._device_mesh))
-        return True
-
-    def set_unsharded(self, param: nn.Parameter) -> None:
-        """The unsharded parameter an extension's first post hook made."""
-        param._sw_param = self  # type: ignore[attr-defined]
-        self.unsharded = param
 
     def set_requires_grad(self, requires_grad: bool) -> None:
         self.requires_grad = requires_grad
@@ -270,73 +208,12 @@ class ShardedParam:
         if not requires_grad:
             self.acc_grad = None
 
-    # --- this rank's gradient before reduction -------------------------------------------
-
-    def _direct_grad_is_new(self, g: torch.Tensor | None) -> bool:
-        h = self._handed
-        return g is not None and not (h is not None and h[0]() is g and g._version == h[1])
-
-    def has_local_grad(self) -> bool:
-        """Whether `local_grad()` would return a gradient, without folding or moving any."""
-        if self.direct:
-            return self._direct_grad_is_new(self.sharded.grad)
-        return self.unsharded.grad is not None or self.acc_grad is not None
-
-    def local_grad(self) -> torch.Tensor | None:
-        """This rank's full-shape gradient not yet handed to a reduction (None if none);
-        direct, the whole gradient it holds.
-
-        Not a predicate: gradients accumulated under no_sync are folded into `acc_grad`
-        here (see `has_local_grad` for the question alone).
-        """
-        if self.direct:
-            # All of it, even unchanged since the last reduction: that reduction replaced
-            # the gradient with the mean on every rank, so what a rank accumulated since is
-            # on top of it (a rank that did not use the parameter again still holds its
-            # share). Sending zeros instead lost it (NO_SHARD without zero_grad, or a unit
-            # reduced twice in one backward).
-            return self.sharded.grad
-        g = self.unsharded_grad()
-        if self.acc_grad is None:
-            return g
-        if g is not None:
-            with torch.no_grad():
-                self.acc_grad.add_(g)
-            self.unsharded.grad = None
-        return self.acc_grad
-
-    def unsharded_grad(self) -> torch.Tensor | None:
-        """The unsharded parameter's gradient as a plain tensor (TP: its local part)."""
-        g = self.unsharded.grad
-        if g is None or self.tp is None:
-            return g
-        return self.tp.grad_local(g)
+    # --- this rank's rows, and the face's layout --------------------------------------
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         """The user's parameter shape (under TP: the global one, not the TP-local one)."""
         return self.tp.global_shape if self.tp is not None else tuple(self.orig_shape)
-
-    def drop_local_grad(self) -> None:
-        """The local gradient was packed for reduction: free it (direct: remember it)."""
-        if self.direct:
-            self.mark_reduced()
-        else:
-            self.unsharded.grad = None
-            self.acc_grad = None
-
-    # --- the sharded gradient, as plain local rows ----------------------------------
-
-    @property
-    def shard_grad(self) -> torch.Tensor | None:
-        """This rank's rows of the sharded gradient (a plain tensor, a view), or None."""
-        g = self.sharded.grad
-        return None if g is None else self.to_rows(DT.local_of(g))
-
-    def set_shard_grad(self, rows: torch.Tensor) -> None:
-        """Make `rows` (plain, shaped like `local`) the sharded gradient."""
-        face = self.from_rows(rows)
-        self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
 
     def to_rows(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor in the face's layout (this rank's shard, or a full tensor) as rows."""
@@ -345,12 +222,6 @@ class ShardedParam:
     def from_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Rows back in the face's layout (a view)."""
         return from_rows(t, self.shard_dim)
-
-    def mark_reduced(self) -> None:
-        g = self.sharded.grad
-        # A weak reference: the reduced gradient is the user's to free (zero_grad); holding it
-        # here kept last step's gradient alive until the next reduction (NO_SHARD).
-        self._handed = (weakref.ref(g), g._version) if g is not None else None
 
     def _shard_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("meta") if param.is_meta else self.host_device
@@ -368,111 +239,8 @@ class ShardedParam:
         """(C, *rest): this rank's chunk, padding rows (always zero) included."""
         return self._padded_shard
 
-    @property
-    def full_padded(self) -> torch.Tensor:
-        """The buffer behind the unsharded parameter: (S*C, *rest) padded rows on dim 0,
-        the original shape (contiguous, no padding) on another dim ([Note: layout])."""
-        return self._full_padded
-
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (original-shape) tensor."""
         if full.dim() == 0:
             full = full.reshape(1)
         return self.to_rows(full)[self.row_start : self.row_end]
-
-    # --- unsharded storage: exists only between unshard and reshard -----------------
-
-    def alloc_unsharded(self) -> None:
-        """Plain parameters' unsharded storage back (extensions: extension.py does it)."""
-        storage = self._storage
-        if self.direct or storage is None:
-            return
-        if storage.size() != self._nbytes:
-            storage.resize_(self._nbytes)
-
-    def free_unsharded(self) -> None:
-        if self.ext is not None:
-            self.ext.free()
-        storage = self._storage
-        if self.direct or storage is None:
-            return
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    def unsharded_rows_view(self) -> torch.Tensor | None:
-        """(S, C * row_numel) view of the unsharded buffer (row r is rank r's chunk) for a
-        dim-0 parameter; None on another dim (`copy_out` / `rows_into` copy instead)."""
-        assert self._full_padded is not None, "a subclass parameter has no unsharded buffer"
-        return self._rows
-
-    def copy_out(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
-        """Write gathered rank-major `rows` ((S, C * row_numel)) into the unsharded
-        parameter (`.data`: no autograd version bump, see Unit.wait_unshard)."""
-        if self._rows is not None:
-            self._rows.copy_(rows, non_blocking=non_blocking)
-        else:
-            rows_into_full(rows, self._full_padded.data, self.shard_dim, self.chunk_rows,
-                           non_blocking)
-
-    def rows_into(self, dst: torch.Tensor, first_rank: int) -> None:
-        """Copy ranks `first_rank ..`'s rows of the unsharded parameter into `dst`
-        ((R, C * row_numel), padding rows zero as the gather had them): what hpZ keeps."""
-        if self._rows is not None:
-            dst.copy_(self._rows[first_rank: first_rank + dst.shape[0]])
-        else:
-            full_into_rows(self._full_padded.data, dst, self.shard_dim, self.chunk_rows,
-                           first_rank)
-
-    def gathered_local_rows(self) -> torch.Tensor:
-        """This rank's rows of the unsharded parameter, shaped like `local` (a view)."""
-        return self.to_rows(self._full_padded.data)[self.row_start: self.row_end]
-
-    # --- materialization (meta -> real) ------------------------------------------------
-
-    def new_padded_shard(self, *, zero_valid_rows: bool = True) -> torch.Tensor:
-        """A (C, *rest) chunk for this rank, where the real shard will live: padding rows
-        zero, the valid rows too unless the caller writes all of them (`zero_valid_rows=
-        False`: zeroing first would touch every page twice, most of a large load's time)."""
-        shape = (self.chunk_rows, *self.rest)
-        if zero_valid_rows:
-            return torch.zeros(shape, dtype=self.orig_dtype, device=self.host_device)
-        padded = torch.empty(shape, dtype=self.orig_dtype, device=self.host_device)
-        padded[self.local_rows :].zero_()
-        return padded
-
-    def materialize(self, padded: torch.Tensor | None = None) -> None:
-        """Allocate this rank's shard for a meta parameter: zeros, or `padded` (made by
-        `new_padded_shard` and filled, its padding rows zero) when given.
-
-        New Parameter objects replace the meta ones on every module that refers to this
-        parameter (a meta tensor's storage cannot be swapped in place), so build the
-        optimizer after materializing.
-        """
-        if not self.is_meta:
-            return
-        if padded is None:
-            padded = self.new_padded_shard()
-        if self.pin_memory:
-            padded = padded.pin_memory()
-        self._build(padded, meta=False)
-
-    def adopt_subclass_shard(self, padded: torch.Tensor) -> None:
-        """Replace this rank's shard (meta or plain) with `padded`, a tensor subclass with
-        FSDP2's all-gather hooks and the padded shard's shape: a frozen base quantized as it
-        loads (checkpoint/quantize.py). New Parameter objects, as in `materialize`; the
-        owner unit must rebuild its layout (`Unit.set_params`) before the next gather."""
-        assert tuple(padded.shape) == (self.chunk_rows, *self.rest) and is_subclass(padded)
-        self.subclass = True
-        self._build(padded, meta=False)
-
-    def set_full(self, full: torch.Tensor) -> None:
-        """Copy this rank's rows of the full tensor `full` into the shard."""
-        if tuple(full.shape) != self.global_shape:
-            raise ValueError(
-                f"{self.fqn}: got shape {tuple(full.shape)}, expected {self.global_shape}"
-            )
-        if self.tp is not None:
-            full = self.tp.local_piece(full)
-        self.materialize()
-        with torch.no_grad():
-            self.local.copy_(self.local_slice(full))
