@@ -1,6 +1,6 @@
 """A unit's gradient reduction: pack, reduce-scatter, divide, write the shards.
 
-The unit decides *that* its gradients reduce (unit.py, called by the schedule); this file
+The unit decides *that* its gradients reduce (unit_reduce.py, called by the schedule); this file
 is *how*: one reduction per flat bucket, in flight as a `PendingReduce` until the schedule
 finishes it, which writes the reduced rows into the sharded gradients. Every gradient is
 copied into one rank-major buffer (pack.py) that the transport reduce-scatters.
