@@ -11,8 +11,9 @@ from .checkpoint.pretrained import LoadResult, load_pretrained
 from .checkpoint.quantize import NF4
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
-from .engine.api.fully_shard import ShardedModule, fully_shard, shard_model
+from .engine.api.fully_shard import fully_shard, shard_model
 from .engine.api.module_api import UnshardHandle, no_sync
+from .engine.api.sharded_module import ShardedModule
 from .engine.api.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
 from .engine.comm.debug import CollectiveError, CollectiveMismatchError, set_debug
 from .engine.comm.distributed import init_distributed

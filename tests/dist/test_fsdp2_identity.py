@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.fsdp import FSDPModule
 
-from shardwise.engine.api.fully_shard import ShardedModule
+from shardwise.engine.api.sharded_module import ShardedModule
 from shardwise.testing import run_distributed
 from tests.dist import fsdp2_identity_workers as W
 

@@ -1,26 +1,22 @@
-"""`fully_shard` (FSDP2-style, composable) and `shard_model` (one call, four knobs)."""
+"""`fully_shard` (FSDP2-style, composable) and `shard_model` (one call, four knobs).
+
+Each checks its arguments (fully_shard_checks.py), then builds its units (build_unit.py);
+the class a sharded module becomes is sharded_module.py.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _fsdp2_fully_shard
 
-from ..core import dtensor as DT
-from ..core.buffers import BufferPool
 from ..core.checks import check_module, check_params, check_shard_placement
-from ..core.context import ModelContext
-from ..core.extension import is_subclass
-from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.hpz import check_hpz
 from ..core.hpz import enable as enable_hpz
-from ..core.inspect import unit_of, units_of
-from ..core.layout import shard_dim_for
-from ..core.mesh import MeshInfo, mesh_for_strategy, mesh_info_for
+from ..core.inspect import units_of
+from ..core.mesh import mesh_for_strategy, mesh_info_for
 from ..core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -28,100 +24,14 @@ from ..core.policies import (
     WrapPolicyLike,
     resolve_wrap_policy,
 )
-from ..core.schedule import ShardedState
-from ..core.sharded_param import ParamRef, ShardedParam
 from ..core.spmd import context_for_dims
-from ..core.tp import TPContext, context_for
-from ..core.unit import Unit
-from .misuse import watch_optimizers
-from .module_api import FSDP2Methods, check_reshard_after_forward
-from .sd_hooks import install_state_dict_hooks
-from .state import register_torch_state, state_of
+from ..core.tp import context_for
+from .build_unit import build_unit, mark_ignored
+from .fully_shard_checks import check_modules, check_options
+from .module_api import check_reshard_after_forward
+from .sharded_module import own_unit
+from .state import state_of
 from .wrap import assign_params, wrap_targets
-
-
-class ShardedModule(FSDP2Methods):
-    """Mixed into a sharded module's class, so `isinstance(m, OriginalClass)` still holds."""
-
-    _sw_unit: Unit
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # A sharded module is only ever made by fully_shard changing __class__. A *new*
-        # instance (nn.Sequential's slice builds one with type(self)(...)) has no unit
-        # behind it: make it a plain module of the original class.
-        plain = next(c for c in cls.__mro__
-                     if issubclass(c, nn.Module) and not issubclass(c, ShardedModule))
-        obj = plain.__new__(plain)
-        obj.__init__(*args, **kwargs)
-        return obj
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(
-            f"copy.deepcopy of a sharded {type(self).__name__} is not supported: its "
-            "parameters are shards bound to a process group. Deep-copy the model before "
-            "sharding, or build a fresh one and load sw.full_state_dict(model) into it")
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        # model.to(dtype/device), .half(), .cuda() would swap the shards' storage behind
-        # the engine's back (it keeps its own views), failing later inside forward.
-        _to_empty(self._sw_unit, fn)
-        for sp in self._sw_unit.params:
-            probe = torch.empty(0, dtype=sp.orig_dtype, device=sp.host_device)
-            moved = fn(probe)
-            if moved.dtype != probe.dtype or moved.device != probe.device:
-                raise ValueError(
-                    f"changing a sharded model's dtype or device ({sp.orig_dtype}, "
-                    f"{sp.host_device} -> {moved.dtype}, {moved.device}) is not supported "
-                    "after sharding: convert it before fully_shard/shard_model, or use "
-                    "mixed_precision= (compute dtype) and cpu_offload= (where shards live)")
-        # The conversion is a no-op for the parameters, yet nn.Module._apply would still
-        # swap each DTensor parameter's contents with a converted copy (swap_tensors), so
-        # the optimizer's parameter would stop being the engine's shard. Hide them from it.
-        held = [(ref.module, ref.name, ref.module._parameters[ref.name])
-                for sp in self._sw_unit.params for ref in sp.refs]
-        for m, name, _ in held:
-            m._parameters[name] = None
-        try:
-            # Past FSDPModule._apply, which would read FSDP2's own state: the module's class.
-            return super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
-        finally:
-            for m, name, t in held:
-                m._parameters[name] = t
-
-
-def _to_empty(unit: Unit, fn: Any) -> None:
-    """`model.to_empty(device=...)` on a model sharded on the meta device allocates the
-    shards (FSDP2's meta-init route: shard on meta, to_empty, then initialize the DTensor
-    parameters). Recognized by what `fn` makes of a meta tensor: a real one."""
-    meta = [sp for sp in unit.params if sp.is_meta]
-    if not meta:
-        return
-    try:
-        moved = fn(torch.empty(0, dtype=meta[0].orig_dtype, device="meta"))
-    except (NotImplementedError, RuntimeError):
-        return  # .to(device) of a meta tensor: nothing to copy from, torch refuses it
-    if not isinstance(moved, torch.Tensor) or moved.is_meta:
-        return
-    host = meta[0].host_device
-    if moved.device.type != host.type or (moved.device.index is not None
-                                          and host.index is not None
-                                          and moved.device.index != host.index):
-        raise ValueError(
-            f"to_empty(device={moved.device}) on unit {unit.label!r}: its shards live on "
-            f"{host} (the mesh's device, or the CPU under offload_policy); use that device")
-    for sp in meta:
-        sp.materialize()
-
-
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _sharded_class(cls: type) -> type:
-    if issubclass(cls, ShardedModule):
-        return cls
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
-    return _CLASS_CACHE[cls]
 
 
 def fully_shard(
@@ -148,9 +58,9 @@ def fully_shard(
     (torch's DataParallelMeshDims): `mesh` is the full SPMD mesh the DTensor parameters
     live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/spmd.py).
     """
-    modules = _validate_modules(module)
-    mp, offload, ignored = _validate(modules, reshard_after_forward, mp_policy,
-                                     offload_policy, ignored_params)
+    modules = check_modules(module)
+    mp, offload, ignored = check_options(modules, reshard_after_forward, mp_policy,
+                                         offload_policy, ignored_params)
     placements: dict[int, int] = {}
     for m in modules:
         placements.update(check_shard_placement(m, shard_placement_fn, ignored))
@@ -166,8 +76,8 @@ def fully_shard(
     hpz = raf if type(raf) is int else None  # [Note: hpZ] in core/hpz.py
     if hpz is not None:
         check_hpz(hpz, info, tp, type(modules[0]).__name__)
-    _shard(modules, info, True if raf is None else bool(raf), mp, offload,
-           _mark_ignored(ignored), None, tp, auto=raf is None, placements=placements)
+    build_unit(modules, info, True if raf is None else bool(raf), mp, offload,
+               mark_ignored(ignored), None, tp, auto=raf is None, placements=placements)
     if hpz is not None:
         enable_hpz(own_unit(modules[0]), hpz)  # type: ignore[arg-type]
     return module
@@ -187,222 +97,6 @@ def _state(module: nn.Module) -> Any:
 fully_shard.state = _state  # type: ignore[attr-defined]
 
 
-def _shard(module: nn.Module | list[nn.Module], info: MeshInfo, reshard_after_forward: bool,
-           mp: MixedPrecisionPolicy | None, offload: CPUOffloadPolicy | None,
-           ignored: set[int], owned: set[int] | None, tp: TPContext | None,
-           auto: bool = True, placements: dict[int, int] | None = None) -> None:
-    """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
-    owns, when the caller computed ownership for the whole model (shard_model); None: take
-    what no sharded child owns and re-home tied parameters shared with siblings."""
-    modules = module if isinstance(module, list) else [module]
-    new, rehome = _collect_params(modules, ignored, owned, tp)
-    params = _rehome(rehome) + _shard_new(new, info, mp, offload, tp, placements or {})
-    unit = Unit(modules[0], "", params, info, reshard_after_forward, mp, BufferPool())
-    unit.modules = list(modules)
-    unit.auto_reshard_after_forward = auto
-    unit.offload = offload
-    for sp in params:
-        sp.owner = unit
-    for m in modules:
-        m._sw_unit = unit  # type: ignore[attr-defined]
-        register_torch_state(m, unit)
-    ModelContext.create(unit)
-    for m in modules:
-        _install_hooks(m)
-    install_state_dict_hooks(params)
-
-
-def _validate_modules(module: object) -> list[nn.Module]:
-    if isinstance(module, (list, tuple)):
-        if not module:
-            raise ValueError("fully_shard got an empty list of modules")
-        if len({id(m) for m in module}) != len(module):
-            raise ValueError("fully_shard got a list with the same module twice")
-        modules = list(module)
-    else:
-        modules = [module]  # type: ignore[list-item]
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise ValueError(f"fully_shard needs an nn.Module, got {type(m).__name__}")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(
-                f"fully_shard got a {type(m).__name__}, which has no forward of its own, so "
-                "its hooks would never run; shard each of its modules instead"
-            )
-        if own_unit(m) is not None:
-            raise ValueError(f"{type(m).__name__} is already sharded")
-    return modules
-
-
-def own_unit(module: nn.Module) -> Unit | None:
-    """The unit fully_shard made on `module` itself, read from its own `__dict__`.
-
-    Not `getattr`: a wrapper that forwards unknown attributes to the module it wraps
-    (torch's CheckpointWrapper, Accelerate's and torchtitan's activation checkpointing)
-    would answer with the inner module's unit, and the wrapper would look sharded when only
-    its inner layer is. FSDP2 keeps its state in `module.__dict__` for the same reason.
-    """
-    return unit_of(module)
-
-
-def _validate(modules: list[nn.Module], reshard_after_forward: object, mp_policy: object,
-              offload_policy: object, ignored_params: Iterable[nn.Parameter] | None
-              ) -> tuple[MixedPrecisionPolicy | None, CPUOffloadPolicy | None,
-                         list[nn.Parameter]]:
-    check_reshard_after_forward(reshard_after_forward)
-    mp = MixedPrecisionPolicy.from_torch(mp_policy)
-    offload = CPUOffloadPolicy.from_torch(offload_policy)
-    if mp is not None and not isinstance(mp, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy={mp!r} must be sw.MixedPrecisionPolicy, torch's "
-                         "MixedPrecisionPolicy or None")
-    if offload is not None and not isinstance(offload, CPUOffloadPolicy):
-        raise ValueError(f"offload_policy={offload!r} must be sw.CPUOffloadPolicy, "
-                         "torch's CPUOffloadPolicy / OffloadPolicy or None")
-    return mp, offload, check_params("ignored_params", ignored_params)
-
-
-def _mark_ignored(params: list[nn.Parameter]) -> set[int]:
-    # Marked on the tensor too: a parent's fully_shard must skip them without being told.
-    for p in params:
-        p._sw_ignored = True  # type: ignore[attr-defined]
-    return {id(p) for p in params}
-
-
-_NewParams = dict[int, tuple[nn.Parameter, list[ParamRef]]]
-_Rehome = dict[int, tuple[ShardedParam, list[ParamRef]]]
-
-
-def _collect_params(modules: list[nn.Module], ignored: set[int], owned: set[int] | None,
-                    tp: TPContext | None
-                    ) -> tuple[_NewParams, _Rehome]:
-    """(plain parameters to shard, already-sharded ones to re-home into this unit), each
-    with every (module, name) that refers to it under `modules`."""
-    subtree = {id(m) for top in modules for m in top.modules()}
-    new: _NewParams = {}
-    rehome: _Rehome = {}
-    owner_trees: dict[int, set[int]] = {}
-    named = (modules[0].named_modules() if len(modules) == 1 else
-             [(f"{i}.{n}" if n else str(i), m) for i, top in enumerate(modules)
-              for n, m in top.named_modules()])
-    seen_mods: set[int] = set()
-    for mname, m in named:
-        if id(m) in seen_mods:
-            continue  # a module inside two of the listed ones
-        seen_mods.add(id(m))
-        for pname, t in m._parameters.items():
-            if t is None or id(t) in ignored or getattr(t, "_sw_ignored", False):
-                continue
-            ref = ParamRef(m, pname, f"{mname}.{pname}" if mname else pname)
-            sp: ShardedParam | None = getattr(t, "_sw_param", None) or getattr(
-                t, "_sw_orig_of", None)
-            if owned is not None:
-                if id(t) in owned:
-                    _check_plain(ref, t, tp)
-                    new.setdefault(id(t), (t, []))[1].append(ref)
-                continue
-            if sp is None:
-                _check_plain(ref, t, tp)
-                new.setdefault(id(t), (t, []))[1].append(ref)
-                continue
-            owner = sp.owner
-            if owner is None:
-                continue
-            if id(owner) not in owner_trees:
-                owner_trees[id(owner)] = {id(x) for top in owner.modules
-                                          for x in top.modules()}
-            if id(m) in owner_trees[id(owner)]:
-                continue  # inside the owner's own subtree: the owner's business
-            if id(owner.module) not in subtree:
-                continue  # a sibling's parameter: the common parent will re-home it
-            rehome.setdefault(id(sp), (sp, []))[1].append(ref)
-    return new, rehome
-
-
-def _check_plain(ref: ParamRef, t: torch.Tensor, tp: TPContext | None) -> None:
-    if DT.is_dtensor(t) and tp is None:
-        raise ValueError(
-            f"{ref.fqn} is already a DTensor ({t.placements} on "  # type: ignore[attr-defined]
-            f"{t.device_mesh}); shardwise shards plain parameters and TP "  # type: ignore[attr-defined]
-            "DTensors from parallelize_module (see docs/parallelism.md)")
-    if DT.is_dtensor(t):
-        if DT.uses_all_gather_extension(t) or is_subclass(DT.local_of(t)):
-            raise NotImplementedError(
-                f"{ref.fqn} is a tensor-parallel DTensor over a "
-                f"{type(DT.local_of(t)).__name__}: FSDP2's all-gather extensions with tensor "
-                "parallelism are not supported; shard it without parallelize_module")
-        return
-    if not is_subclass(t):
-        if DT.uses_all_gather_extension(t):
-            # FSDP2 drops them silently (its shard is a new tensor); so would shardwise.
-            raise NotImplementedError(
-                f"{ref.fqn} carries fsdp_pre_all_gather / fsdp_post_all_gather on the tensor "
-                "given to fully_shard, where they do not survive sharding: define them on a "
-                "tensor subclass, or patch them onto the shard after sharding "
-                f"(model.get_parameter({ref.fqn!r})._local_tensor), as in FSDP2")
-        return
-    # [Note: all-gather extensions] in engine/core/extension.py.
-    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
-    problem = (
-        "it does not define FSDP2's all-gather extension (fsdp_pre_all_gather and "
-        "fsdp_post_all_gather), so its gather would drop the subclass's own data"
-        if not (pre or post) else
-        "it defines only one of fsdp_pre_all_gather / fsdp_post_all_gather" if pre != post else
-        "it is on the meta device (build extension parameters on a real device)" if t.is_meta
-        else "it is 0-d (extension parameters are sharded on dim 0)" if t.dim() == 0
-        else "")
-    if problem:
-        raise NotImplementedError(
-            f"{ref.fqn} is a {type(t).__name__} parameter that shardwise cannot shard: "
-            f"{problem}")
-
-
-def _rehome(rehome: _Rehome) -> list[ShardedParam]:
-    """Move tied parameters from the child units that shared them into this one."""
-    params = []
-    for sp, refs in rehome.values():
-        owner = sp.owner
-        assert owner is not None
-        if owner.state is not ShardedState.SHARDED:
-            raise RuntimeError(f"cannot re-home {sp.fqn} while its unit is unsharded")
-        owner.set_params([q for q in owner.params if q is not sp])
-        for r in refs:
-            if not any(x.module is r.module and x.name == r.name for x in sp.refs):
-                sp.refs.append(r)
-            r.module._parameters[r.name] = sp.sharded
-        params.append(sp)
-    return params
-
-
-def _shard_new(new: _NewParams, info: MeshInfo, mp: MixedPrecisionPolicy | None,
-               offload: CPUOffloadPolicy | None, tp: TPContext | None,
-               placements: dict[int, int]) -> list[ShardedParam]:
-    if offload is not None and offload.params and info.device.type == "cuda":
-        host = torch.device("cpu")
-    else:
-        host = info.device
-    compute_dtype = mp.param_dtype if mp else None
-    pin = bool(offload and offload.pin_memory)
-    params = []
-    for t, refs in new.values():
-        dtype = compute_dtype if (compute_dtype and t.is_floating_point()) else None
-        sp = ShardedParam(t, refs, info.shard_rank, info.shard_size, info.device, dtype, host,
-                          pin_memory=pin, device_mesh=info.device_mesh, tp=tp,
-                          shard_dim=shard_dim_for(t, info.shard_size, tp, placements))
-        # Later fully_shard calls on a parent find other references to the original here.
-        t._sw_orig_of = sp  # type: ignore[attr-defined]
-        if not t.is_meta:
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)  # free the full copy
-        params.append(sp)
-    return params
-
-
-def _install_hooks(module: nn.Module) -> None:
-    watch_optimizers()
-    module.register_forward_pre_hook(forward_pre_hook, prepend=True, with_kwargs=True)
-    module.register_forward_hook(forward_post_hook, with_kwargs=True)
-    module.__class__ = _sharded_class(type(module))
-
-
 def shard_model(
     model: nn.Module,
     *,
@@ -415,7 +109,7 @@ def shard_model(
 ) -> nn.Module:
     """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
     check_module("model", model)
-    ignored = _mark_ignored(check_params("ignored_params", ignored_params))
+    ignored = mark_ignored(check_params("ignored_params", ignored_params))
     strategy = ShardingStrategy.parse(sharding_strategy)
     mp = MixedPrecisionPolicy.parse(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload)
@@ -434,7 +128,7 @@ def shard_model(
     for name, m in [*targets, ("", model)]:
         if own_unit(m) is not None:
             raise ValueError(f"{name or type(m).__name__!r} is already sharded")
-        _shard(m, info, reshard, mp, offload, ignored, owned[name], tp)
+        build_unit(m, info, reshard, mp, offload, ignored, owned[name], tp)
     return model
 
 
