@@ -4,7 +4,7 @@
 
 Arguments: preset, steps (the first is a warm-up), sequences per rank. Two gloo ranks train
 the benchmark's shardwise FULL_SHARD system (shardwise.bench.systems) with an event sink on
-the model (engine/events.py: each collective's `wait` is the time the calling thread was
+the model (engine/core/events.py: each collective's `wait` is the time the calling thread was
 blocked in it); prints each rank's median step and its exposed waits per step, by
 collective. On gloo a reduction's local sum (all-to-all, then a sum) runs inside its wait,
 so the reduce-scatter figure includes that sum. "release" is the time builds before issue

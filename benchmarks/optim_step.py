@@ -39,9 +39,9 @@ def _model() -> nn.Module:
 
 
 class _DTensorAdamW(torch.optim.AdamW):
-    """AdamW under another class name: shardwise's fast path ([Note: optimizer fast path]
-    in engine/optim_step.py) applies to the exact torch classes, so this measures the step
-    dispatching through DTensor, as it ran before the fast path."""
+    """AdamW under another class name. While shardwise had an optimizer fast path (a global
+    hook for the exact torch classes, removed with issue 35), this measured the step
+    dispatching through DTensor; now both classes take that same path."""
 
 
 def _time(opt: torch.optim.Optimizer, steps: int) -> float:

@@ -1,9 +1,9 @@
-"""Issue 23: the optimizer fast path ([Note: optimizer fast path], engine/optim_step.py).
+"""Issue 23's optimizer cases, kept after the optimizer fast path went (issue 35).
 
-The same sharded model is stepped by torch's optimizer through the fast path and through
-DTensor dispatch (a subclass, which the path leaves alone), and an unsharded copy by the same
-optimizer in one process: the fast path must equal DTensor dispatch exactly, match the
-unsharded reference to 1e-6, and leave per-parameter DTensor state behind.
+The same sharded model is stepped by torch's optimizer class and by a subclass of it (which the
+old fast path left alone, so the two once took different paths), and an unsharded copy by the
+same optimizer in one process: both must agree exactly, match the unsharded reference to
+1e-6, and leave per-parameter DTensor state behind.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def in_flight(rank: int, world: int, gathers: int, reduces: int) -> dict[str, in
 def decision_log(rank: int, world: int, strategy: str, gathers: int, reduces: int,
                  cfg_kw: dict) -> list[tuple[str, int]]:
     """The schedule's decisions in the second of two training steps of a GPT ([Note:
-    decision log] in engine/schedule.py), units by their index in the context (forward
+    decision log] in engine/core/schedule.py), units by their index in the context (forward
     order, the root first, as the planner numbers them)."""
     from shardwise.train.model import GPT, GPTConfig
 

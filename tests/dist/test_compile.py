@@ -2,7 +2,7 @@
 
 The recommended order (docs/training.md): shard first, then compile each block
 (`block.compile()`) or the whole model; the engine's hooks run eagerly between compiled
-pieces ([Note: compile] in engine/hooks.py).
+pieces ([Note: compile] in engine/core/hooks.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One schedule, three executors: the engine's hooks and the planner's memory and time
 replays.
 
-All drive engine/schedule.py's `Schedule`; changing its in-flight limits must change what
+All drive engine/core/schedule.py's `Schedule`; changing its in-flight limits must change what
 they do in the same way, and the time model must take the engine's decisions in its order.
 """
 

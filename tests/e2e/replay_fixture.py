@@ -3,7 +3,7 @@
 Two ranks, per-layer units "0" and "2" under the root "", FULL_SHARD: per step each unit is
 gathered for forward, resharded, gathered again for backward and its gradients
 reduce-scattered. Times are made up but ordered like the engine's; the schema is the one
-in engine/events.py.
+in engine/core/events.py.
 """
 
 from __future__ import annotations

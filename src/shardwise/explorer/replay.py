@@ -1,7 +1,7 @@
 """`shardwise explore --replay runs/NAME`: a recorded `shardwise train` run, read back.
 
 Inputs (written by the trainer, see train/rundir.py): `events-rank{r}.jsonl` (one engine
-`Event` per line, the schema of engine/events.py) and `metrics.jsonl` (one record per
+`Event` per line, the schema of engine/core/events.py) and `metrics.jsonl` (one record per
 optimizer step; `memory_mb` holds one value per rank). Both are read tolerantly: a
 truncated last line (a run killed mid-write) is skipped, not fatal.
 

@@ -2,7 +2,7 @@
 
 [Note: local copies] Besides the collectives, a unit's gather and reduction copy bytes on
 the rank itself, on the training thread, and the engine counts them per unit
-(`Unit.copied`, engine/unit.py; `shardwise bench` prints them). The keys are the engine's:
+(`Unit.copied`, engine/core/unit.py; `shardwise bench` prints them). The keys are the engine's:
 
 - gather_in: the shard into the send buffer (all-to-all: into every peer's row too);
 - gather_out: the all-gather output into the unsharded parameters; on one rank, where

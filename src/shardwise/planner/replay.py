@@ -1,11 +1,11 @@
 """What the planner's two replays share: a unit for the engine's `Schedule`, and the step.
 
 The memory replay (simulate.py) counts bytes, the time replay (timed_replay.py) keeps clocks;
-both drive the engine's own `Schedule` (engine/schedule.py) over `ReplayUnit`s, which have
-engine/unit.py's state machine without tensors, and both walk a step as the engine's hooks
+both drive the engine's own `Schedule` (engine/core/schedule.py) over `ReplayUnit`s, which have
+engine/core/unit.py's state machine without tensors, and both walk a step as the engine's hooks
 report it (`replay_forward`, `replay_backward`). What a gather, its arrival, a reshard and a
 reduction cost is each replay's own (`ReplayUnit`'s underscored methods, `StepWork`). The
-schedule's decision log ([Note: decision log] in engine/schedule.py) records them all alike.
+schedule's decision log ([Note: decision log] in engine/core/schedule.py) records them all alike.
 """
 
 from __future__ import annotations

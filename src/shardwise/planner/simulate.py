@@ -2,7 +2,7 @@
 
 Peaks come from *when* things are alive, not from adding every term: at the end of forward
 all activations exist but no gradients; by the end of backward the reverse. So this replays
-the engine's own schedule (engine/schedule.py: the same `Schedule` object the engine's hooks
+the engine's own schedule (engine/core/schedule.py: the same `Schedule` object the engine's hooks
 drive, over units that count bytes instead of moving them) unit by unit, with the engine's
 own `BufferPool` on the meta device doing the pool's bookkeeping. replay.py's walk only says
 where the step is, as the hooks do; prefetching, limits, resharding and draining are the

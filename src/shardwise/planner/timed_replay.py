@@ -4,7 +4,7 @@ As the memory replay (simulate.py) counts bytes, this replay keeps two clocks: t
 stream (`comp`: the training thread) and the communication stream (`comm`: collectives run
 one after another in issue order). The units are replay.py's `ReplayUnit`s and the step is
 replay.py's walk, so prefetching, the in-flight limits (`Limits`), resharding and the reduce
-drain are the engine's decisions (engine/schedule.py), not a copy of them. The schedule logs
+drain are the engine's decisions (engine/core/schedule.py), not a copy of them. The schedule logs
 every decision in order ([Note: decision log]: `Replay.log`); `Replay.timeline` is when the
 communication stream ran each collective. tests/dist/test_schedule.py holds both against the
 engine's own log.

@@ -7,7 +7,7 @@ the link's latency, each byte its bandwidth; a group that spans nodes runs at th
 (inter-node) link.
 
 The overlapped step is a two-stream replay of the engine's own schedule (timed_replay.py
-drives engine/schedule.py's `Schedule`, as the memory replay does): the compute stream runs
+drives engine/core/schedule.py's `Schedule`, as the memory replay does): the compute stream runs
 units one after another; the communication stream runs gathers and reductions in issue order;
 a unit computes once its all-gather is done; prefetches and pending reductions follow the
 schedule's `Limits`.
@@ -46,7 +46,7 @@ class Collective:
     @property
     def sent_bytes(self) -> int:
         """Bytes this rank sends (and receives) in a ring: the one definition the engine's
-        events use too ([Note: communication bytes] in engine/events.py)."""
+        events use too ([Note: communication bytes] in engine/core/events.py)."""
         return wire_bytes(self.kind, self.buffer_bytes, self.group)
 
     @property

@@ -73,7 +73,7 @@ def build_hf(cfg: Config) -> nn.Module:
     """The folder's model, sharded over the world and loaded: each rank holds its rows."""
     model = _meta_model(cfg)
     if cfg.train.activation_checkpointing:
-        # Non-reentrant: the unit's hooks run again in the recomputation (engine/hooks.py).
+        # Non-reentrant: the unit's hooks run again in the recomputation (engine/core/hooks.py).
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.quantize:

@@ -70,7 +70,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class ByteCounter:
     """An event sink summing, per step, the bytes this rank sent (and received alike)
-    through collectives: [Note: communication bytes] in engine/events.py."""
+    through collectives: [Note: communication bytes] in engine/core/events.py."""
 
     def __init__(self) -> None:
         self.by_step: dict[int, dict[str, int]] = {}

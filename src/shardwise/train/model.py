@@ -211,7 +211,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = LayerNorm(cfg.d_model)
         # Activation checkpointing: keep only each block's input; recompute the rest in
-        # backward (the block's sharding hooks run again: engine/hooks.py).
+        # backward (the block's sharding hooks run again: engine/core/hooks.py).
         self.checkpointing = False
         self.reset_parameters()
 

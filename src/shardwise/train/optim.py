@@ -8,10 +8,10 @@ rounding. Measured for 16M fp32 parameters in one thread: fused 19.6 ms a step a
 sharded model each rank steps its shards, and with CPU offload the GPU machine steps on the
 CPU too, so the choice matters wherever shardwise runs.
 
-Fused takes sharded parameters as they are: shardwise's optimizer fast path
-([Note: optimizer fast path] in engine/optim_step.py) hands the step plain aliases of each
-DTensor shard, and without it (an optimizer subclass, another step hook) DTensor dispatches
-the fused op shard by shard. tests/dist/test_fused_optim.py checks both against the loop.
+Fused takes sharded parameters as they are: the step runs on the DTensor shards through
+DTensor's own dispatch, with no hook of shardwise's (the earlier optimizer fast path, which
+handed the step plain aliases of each shard through a global hook, went with issue 35).
+tests/dist/test_fused_optim.py checks fused and foreach against the loop.
 
 Library users get the same by asking for it: `torch.optim.AdamW(model.parameters(),
 fused=True)` after sharding (or `adamw(...)` here, which falls back where fused is refused).

@@ -156,7 +156,7 @@ def max_over(values: list[int], groups: Sequence[ProcessGroup | None], label: st
              ) -> list[int]:
     """Each value's MAX over the ranks of `groups`, one tiny all-reduce per group in order:
     the groups of a mesh's dims, one after the other, reach every rank of the mesh (a
-    model's agreement groups, engine/mesh.py [Note: model group]). `[]`: this rank alone."""
+    model's agreement groups, engine/core/mesh.py [Note: model group]). `[]`: this rank alone."""
     if not is_initialized():
         return values
     for g in groups:

@@ -2,7 +2,7 @@
 
 `issue` is the one door to torch.distributed for operations: it hands tensors over for the
 exit drain ([Note: gloo teardown] in process_group.py), runs the debug-mode cross-rank check
-(engine/debug.py) and turns a backend failure into a `CollectiveError` naming the
+(engine/comm/debug.py) and turns a backend failure into a `CollectiveError` naming the
 collective, its unit and its ranks.
 """
 
@@ -58,7 +58,7 @@ class Work(NamedTuple):
 
 
 class Issued(NamedTuple):
-    """What a collective was, kept only to explain its failure (see engine/debug.py)."""
+    """What a collective was, kept only to explain its failure (see engine/comm/debug.py)."""
 
     op: str
     label: str

@@ -9,7 +9,7 @@ expected size"), NCCL hangs or reads garbage.
 
 A rank that changed nothing cannot know it should check, so the check is a collective every
 rank joins at every backward. That is a collective FSDP2 does not issue, so it runs only in
-debug mode, with the other misuse checks (engine/debug.py): at the first backward hook of a
+debug mode, with the other misuse checks (engine/comm/debug.py): at the first backward hook of a
 grad-enabled forward, before any reduction, one all-reduce of a CRC of every parameter's
 flag over the model's ranks. Every rank reads the same result, so either all go on or all
 raise; on a mismatch one more exchange (on the error path only) names the units, counts and

@@ -2,7 +2,7 @@
 
 This module holds no tensors and calls no collectives. It decides, and the units it is given
 act. Two kinds of unit drive the same `Schedule`: the engine's `Unit` (real all-gathers and
-reduce-scatters, engine/hooks.py) and the planner's byte-counting stand-in
+reduce-scatters, engine/core/hooks.py) and the planner's byte-counting stand-in
 (planner/simulate.py). So the planner's memory replay cannot disagree with the engine about
 prefetching, in-flight limits, resharding or draining: they run this same code.
 
@@ -95,7 +95,7 @@ class PendingReduce(Protocol):
 
 
 class ScheduledUnit(Protocol):
-    """What the schedule needs of a unit; engine/unit.py and planner/simulate.py implement it."""
+    """What the schedule needs of a unit; core/unit.py and planner/simulate.py implement it."""
 
     state: ShardedState
     training_state: TrainingState

@@ -64,7 +64,7 @@ class Unit(UnitGather, UnitReduce):
         self.pool = pool
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        # The per-model context (engine/context.py), set when this unit is sharded and
+        # The per-model context (engine/core/context.py), set when this unit is sharded and
         # replaced when a parent is sharded.
         self.ctx: ModelContext | None = None
         self.is_root = False
