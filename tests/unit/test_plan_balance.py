@@ -22,12 +22,19 @@ GIB = 2**30
     ((), 4, 0),
     ((2, 6, 10), 3, 1),  # dim 1: 2 of 6 rows each (40 elements); dim 2: 4 of 10 (48)
     ((2, 6, 10), 4, 2),  # dim 1: 2 of 6 (40); dim 2: 3 of 10 (36)
-    ((3, 4, 4), 2, 1),  # dims 1 and 2 tie: the lowest wins
+    ((3, 4, 4), 4, 1),  # rank 3 empty on dim 0; dims 1 and 2 tie: the lowest wins
     ((3, 5, 7), 4, 2),  # nothing divides: dim 0 1 x 35, dim 1 2 x 21, dim 2 2 x 15 (least)
+    ((8, 4, 6), 6, 2),  # 8 experts at 6 ranks: dim 0 gives 2, 2, 2, 2, 0, 0
+    # Uneven but no rank empty: FSDP2's layout, as the ported FSDP2 grid checks it (a conv
+    # weight (17, 3, 4, 4) at 2 ranks holds 9 and 8 rows there too).
+    ((17, 3, 4, 4), 2, 0),
+    ((3, 4, 4), 2, 0),
+    ((10, 6, 10), 4, 0),  # 3, 3, 3, 1 rows (9 at 4 ranks is 3, 3, 3, 0: moved)
+    ((9, 6, 10), 4, 2),
 ])
 def test_balanced_dim(shape: tuple[int, ...], group: int, dim: int) -> None:
     assert balanced_shard_dim(shape, group) == dim
-    if len(shape) < 3:
+    if len(shape) < 3 or dim == 0:
         return
     best = min(max_shard_numel(shape, d, group) for d in range(max(len(shape), 1)))
     assert max_shard_numel(shape, dim, group) == best

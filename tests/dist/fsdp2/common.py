@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import shardwise as sw
 from shardwise.engine.core.dtensor import local_of
@@ -65,11 +65,21 @@ class Expect:
 # --- shards ---------------------------------------------------------------------------------
 
 
-def shard_rows(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This rank's rows of `full`: dim 0 chunked torch.chunk-style (0-d as shape (1,))."""
+def shard_rows(full: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    """This rank's slices of `full` along `dim`, chunked torch.chunk-style (0-d as shape (1,))."""
     t = full.reshape(1) if full.dim() == 0 else full
-    c = -(-t.shape[0] // size)
-    return t[min(rank * c, t.shape[0]): min((rank + 1) * c, t.shape[0])]
+    c = -(-t.shape[dim] // size)
+    start = min(rank * c, t.shape[dim])
+    return t.narrow(dim, start, min((rank + 1) * c, t.shape[dim]) - start)
+
+
+def shard_dim_of(p: torch.Tensor) -> int:
+    """The dim a sharded parameter's DTensor face is sharded on (its first Shard placement)."""
+    if isinstance(p, DTensor):
+        for pl in p.placements:
+            if isinstance(pl, Shard):
+                return pl.dim % max(p.dim(), 1)
+    return 0
 
 
 def is_sharded(p: torch.Tensor, full_shape: torch.Size, rank: int, size: int) -> bool:
@@ -97,7 +107,8 @@ def check_sharded_parity(ex: Expect, ref: nn.Module, model: nn.Module, rank: int
     named = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         rp = named[strip(name, prefixes)]
-        mine = shard_rows(rp.detach(), rank, size)
+        dim = shard_dim_of(p)
+        mine = shard_rows(rp.detach(), rank, size, dim)
         if not ex.close(local_of(p.detach()).reshape(mine.shape), mine, f"{what}: param {name}",
                         rtol, atol):
             continue
@@ -109,7 +120,7 @@ def check_sharded_parity(ex: Expect, ref: nn.Module, model: nn.Module, rank: int
         elif p.grad is None:
             ex.true(mine.numel() == 0, f"{what}: grad {name} is None, the reference has one")
         else:
-            ex.close(local_of(p.grad).reshape(mine.shape), shard_rows(rp.grad, rank, size),
+            ex.close(local_of(p.grad).reshape(mine.shape), shard_rows(rp.grad, rank, size, dim),
                      f"{what}: grad {name}", rtol, atol)
 
 

@@ -6,11 +6,11 @@ test_reset_iter_state_after_exception (plus a failure in backward),
 test_register_fsdp_forward_method, test_share_comm_context, test_fully_shard_comm.py's
 test_unshard_async (asynchronous unshards between the model's own asynchronous
 all-reduces), and
-test_train_parity_shard_placement_fn_shard_largest_dim, which shardwise refuses (dim 0 only,
-docs/porting.md): checked as a clear ValueError, then the same model trains with Shard(0).
+test_train_parity_shard_placement_fn_shard_largest_dim with
+test_shard_placement_fn_contiguous_params_grads (every parameter on its largest dim, uneven at 3
+ranks, which FSDP2 refuses and shardwise pads; unsharded weights and gradients contiguous).
 
-Left out: the delay_* axes and CUDA stream assertions (CUDA sleep kernels and streams);
-test_shard_placement_fn_contiguous_params_grads (Shard(1), refused as above).
+Left out: the delay_* axes and CUDA stream assertions (CUDA sleep kernels and streams).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ CASES: list[Case] = [
     Case("register_fsdp_forward_method", W.register_forward_method),
     Case("share_comm_context", W.share_comm_ctx_parity),
     Case("unshard_async", W.unshard_async_overlap),
-    Case("shard_placement_fn_largest_dim_refused", W.shard_placement_fn_largest_dim),
+    Case("shard_placement_fn_largest_dim", W.shard_placement_fn_largest_dim),
 ]
 
 

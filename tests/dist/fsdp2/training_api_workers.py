@@ -23,6 +23,7 @@ from tests.dist.fsdp2.common import (
     DataParallelRef,
     Expect,
     check_sharded_parity,
+    full_params_match,
     global_batch,
     ref_step,
     tokens,
@@ -287,28 +288,41 @@ def register_forward_method(rank: int, world: int, ex: Expect) -> None:
 
 
 def shard_placement_fn_largest_dim(rank: int, world: int, ex: Expect) -> None:
-    """Upstream trains with every parameter sharded on its largest dim; shardwise shards on
-    dim 0 only and must refuse, naming the parameter and the dim, before any collective
-    (the ranks then go on to train the same model with dim-0 placements)."""
+    """Upstream's test_train_parity_shard_placement_fn_shard_largest_dim: every parameter
+    sharded on its largest dim (Shard(1) for the weights here; 32 does not divide by 3, which
+    FSDP2 refuses and shardwise pads) trains as the unsharded reference does, each shard being
+    this rank's torch.chunk along that dim, and the full state dict is the reference's."""
     torch.manual_seed(42)
-    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(),
+                          nn.Linear(8, 24))
     ref = copy.deepcopy(model)
 
     def largest(p: nn.Parameter) -> Shard:
         return Shard(p.shape.index(max(p.shape)))
 
-    try:
-        sw.fully_shard(model, shard_placement_fn=largest)
-        ex.true(False, "shard_placement_fn with Shard(1) was accepted")
-    except ValueError as e:
-        msg = str(e)
-        ex.true("dim 0" in msg and "0.weight" in msg,
-                f"the refusal does not name the parameter and dim 0: {msg}")
-    ex.true(not any(isinstance(m, sw.ShardedModule) for m in model.modules()),
-            "a refused fully_shard left a sharded module behind")
-    sw.fully_shard(model, shard_placement_fn=lambda p: Shard(0))
+    for lin in (model[0], model[2]):
+        sw.fully_shard(lin, shard_placement_fn=largest)
+    sw.fully_shard(model, shard_placement_fn=largest)
+    # Upstream's test_shard_placement_fn_contiguous_params_grads: the unsharded parameter
+    # forward sees and its gradient are contiguous, whatever the shard dim.
+    seen: list[bool] = []
+
+    def check(mod: nn.Module, args: object) -> None:
+        w = mod.weight
+        seen.append(w.is_contiguous())
+        if w.requires_grad and torch.is_grad_enabled():
+            w.register_hook(lambda g: seen.append(g.is_contiguous()) or None)
+
+    for lin in (model[0], model[2], model[4]):
+        lin.register_forward_pre_hook(check)
+    for name, p in model.named_parameters():
+        want = Shard(p.shape.index(max(p.shape)))
+        ex.true(tuple(p.placements) == (want,), f"{name}: placements {p.placements}, "
+                f"want ({want},)")
     train_parity(rank, world, ex, model, ref, lambda g: torch.randn(4, 32, generator=g), _sum,
-                 "dim-0 placement", iters=3)
+                 "largest-dim placement", iters=3)
+    full_params_match(ex, model, ref, "largest-dim placement")
+    ex.true(len(seen) >= 18 and all(seen), f"non-contiguous unsharded weight or gradient: {seen}")
 
 
 def share_comm_ctx_parity(rank: int, world: int, ex: Expect) -> None:

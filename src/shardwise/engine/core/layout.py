@@ -5,11 +5,14 @@
 For a dim that S does not divide, the largest shard holds C slices where the mean holds
 D / S, and for D < S ranks D..S-1 hold nothing: an (8, 14336, 4096) expert tensor at 32
 ranks puts one expert on each of 8 ranks and none on the other 24 (rank 0's model states
-4x the mean). So by default a parameter of 3 or more dims whose dim 0 splits unevenly is
+4x the mean). So by default a parameter of 3 or more dims whose dim-0 chunks leave some
+rank with no rows (C * (S - 1) >= D0: fewer experts than ranks, or 8 experts at 6 ranks) is
 sharded on the dim whose largest shard is smallest (the lowest such dim on ties, so dim 0
-whenever it is as good as any); 1-D and 2-D parameters keep dim 0, FSDP2's layout. An
-explicit `shard_placement_fn` always wins. The planner calls the same function, so a plan
-and a run agree on every rank's bytes.
+whenever it is as good as any). Everything else keeps dim 0, FSDP2's layout, so that a
+merely uneven split (a (17, 3, 4, 4) conv weight at 2 ranks: 9 and 8 rows) shards exactly
+as FSDP2 shards it and client code reading `to_local()` sees FSDP2's rows. An explicit
+`shard_placement_fn` always wins. The planner calls the same function, so a plan and a run
+agree on every rank's bytes.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ def max_shard_numel(shape: Sequence[int], dim: int, group_size: int) -> int:
 
 def balanced_shard_dim(shape: Sequence[int], group_size: int) -> int:
     """The default shard dim of a parameter of `shape` over `group_size` ranks."""
-    if len(shape) < 3 or group_size <= 1 or shape[0] % group_size == 0 or math.prod(shape) == 0:
+    if len(shape) < 3 or group_size <= 1 or math.prod(shape) == 0:
         return 0
+    if -(-shape[0] // group_size) * (group_size - 1) < shape[0]:
+        return 0  # every rank holds dim-0 rows: FSDP2's layout, uneven or not
     best = min(range(len(shape)), key=lambda d: (max_shard_numel(shape, d, group_size), d))
     return best
 
