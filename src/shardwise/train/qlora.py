@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.quantize import NF4
+from ..engine.ext.materialize import lora_adapters
 from .hf_deps import missing
 
 # torchao's default blocks (64 values per scaler, 256 scalers per factor), as torchtune's
@@ -100,17 +101,9 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
     would allocate every base shard in model.dtype first (measured: +149 MiB RSS after
     loading per rank, benchmarks/qlora_memory.py) only for load_pretrained to replace it
     with NF4: the base goes from meta straight to its NF4 shards."""
-    from torch import nn
-
-    configs = getattr(model, "peft_config", None) or {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for m in model.modules():
-            reset = getattr(m, "reset_lora_parameters", None)
-            adapters = getattr(m, "lora_A", None)
-            if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
-                continue
-            for name in adapters.keys():
-                m.lora_A[name].to_empty(device="cpu")
-                m.lora_B[name].to_empty(device="cpu")
-                reset(name, getattr(configs.get(name), "init_lora_weights", True))
+        for m, name, init in lora_adapters(model):
+            m.lora_A[name].to_empty(device="cpu")
+            m.lora_B[name].to_empty(device="cpu")
+            m.reset_lora_parameters(name, init)

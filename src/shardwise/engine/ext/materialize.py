@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -143,6 +143,20 @@ def _refuse_unwritten(fresh: dict[str, tuple[dict, str]], fresh_sps: list[Sharde
             "create them outside the meta device")
 
 
+def lora_adapters(model: nn.Module) -> Iterator[tuple[nn.Module, str, object]]:
+    """(peft LoRA layer, adapter name, its `init_lora_weights`) for every adapter of
+    `model`, in module order. Recognized by peft's methods (duck typed: shardwise does not
+    import peft)."""
+    configs = getattr(model, "peft_config", None) or {}
+    for m in model.modules():
+        reset = getattr(m, "reset_lora_parameters", None)
+        adapters = getattr(m, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            continue
+        for name in adapters.keys():
+            yield m, name, getattr(configs.get(name), "init_lora_weights", True)
+
+
 def _reset_adapters(model: nn.Module,
                     run: Callable[[nn.Module, Callable[[], object]], None]) -> None:
     """[Note: LoRA init] peft's LoRA layers initialize their own children (A random, B zero,
@@ -151,18 +165,11 @@ def _reset_adapters(model: nn.Module,
     each LoRA layer re-runs its own adapter init last. Recognized by peft's method (duck
     typed: shardwise does not import peft); the init kind comes from the model's peft_config.
     """
-    configs = getattr(model, "peft_config", None) or {}
-    for m in model.modules():
-        reset = getattr(m, "reset_lora_parameters", None)
-        adapters = getattr(m, "lora_A", None)
-        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
-            continue
-        for name in adapters.keys():
-            init = getattr(configs.get(name), "init_lora_weights", True)
-            if init is not True and init is not False and init != "gaussian":
-                raise ValueError(
-                    f"materialize cannot recreate init_lora_weights={init!r} (adapter "
-                    f"{name!r}): it needs the base weights. Materialize or load the base "
-                    "model first, then add the adapter (or use init_lora_weights=True)")
-            # At full shape, like every initializer: the adapters are the layer's children.
-            run(m, functools.partial(reset, name, init))
+    for m, name, init in lora_adapters(model):
+        if init is not True and init is not False and init != "gaussian":
+            raise ValueError(
+                f"materialize cannot recreate init_lora_weights={init!r} (adapter "
+                f"{name!r}): it needs the base weights. Materialize or load the base "
+                "model first, then add the adapter (or use init_lora_weights=True)")
+        # At full shape, like every initializer: the adapters are the layer's children.
+        run(m, functools.partial(m.reset_lora_parameters, name, init))
