@@ -27,7 +27,7 @@ from . import bad_inputs_dist as BD
 from .bad_inputs_cli import CLI_CASES
 
 ROOT = Path(__file__).resolve().parents[2]
-API = [c for c in B.CASES if c.call is not None]
+API = [c for c in B.api_cases() if c.call is not None]
 
 
 def test_case_ids_are_unique() -> None:
@@ -66,7 +66,7 @@ PUBLIC = [sw.shard_model, sw.fully_shard, sw.MixedPrecisionPolicy, sw.CPUOffload
 
 
 def test_every_public_parameter_has_a_row() -> None:
-    knobs = {c.knob for c in B.CASES}
+    knobs = {c.knob for c in B.api_cases()}
     missing = []
     for fn in PUBLIC:
         name = fn.__name__
