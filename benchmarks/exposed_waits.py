@@ -28,8 +28,8 @@ def _worker(rank: int, world: int, preset: str, steps: int,
     from shardwise.bench.runner import make_config
     from shardwise.bench.systems import SYSTEMS
     from shardwise.engine.comm.work import Work
+    from shardwise.engine.core.context import context_of
     from shardwise.engine.core.events import Event
-    from shardwise.engine.core.inspect import context_of
     from shardwise.train.model import GPT
 
     torch.set_num_threads(1)

@@ -98,7 +98,7 @@ def _meta_sharded(folder: str) -> torch.nn.Module:
 
 
 def _shard_bytes(model: torch.nn.Module) -> int:
-    from shardwise.engine.core.inspect import sharded_params
+    from shardwise.engine.core.context import sharded_params
 
     return sum(sp.local.numel() * sp.local.element_size() for sp in sharded_params(model))
 

@@ -140,7 +140,7 @@ def worker(rank: int, world: int, reader: str, folder: str) -> dict[str, Any]:
     import transformers  # noqa: F401  (imported before the baseline)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardwise.engine.core.inspect import sharded_params
+    from shardwise.engine.core.context import sharded_params
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardwise as sw  # noqa: E402
-from shardwise.engine.core.containers import ContainerCheck  # noqa: E402
+from shardwise.engine.core.context import ContainerCheck  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 
 

@@ -12,11 +12,10 @@ from .checkpoint.quantize import NF4
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
 from .checkpoint.state_dict import full_state_dict, load_full_state_dict
 from .engine.api.fully_shard import fully_shard, shard_model
-from .engine.api.module_api import UnshardHandle, no_sync
-from .engine.api.sharded_module import ShardedModule
+from .engine.api.sharded_module import ShardedModule, UnshardHandle, no_sync
 from .engine.api.state import ShardwiseState, register_fsdp_forward_method, share_comm_ctx
-from .engine.comm.debug import CollectiveError, CollectiveMismatchError, set_debug
-from .engine.comm.distributed import init_distributed
+from .engine.comm.process_group import init_distributed
+from .engine.comm.work import CollectiveError, CollectiveMismatchError, set_debug
 from .engine.core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (
 )
 
 from .engine.api.fully_shard import fully_shard
-from .engine.api.module_api import UnshardHandle
+from .engine.api.sharded_module import UnshardHandle
 from .engine.api.state import register_fsdp_forward_method, share_comm_ctx
 
 __all__ = [

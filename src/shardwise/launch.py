@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .engine.comm.distributed import free_port
+from .engine.comm.process_group import free_port
 
 log = logging.getLogger(__name__)
 

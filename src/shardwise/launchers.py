@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .engine.comm.slurm import (  # noqa: F401 - the public home of the Slurm helpers
+from .engine.comm.process_group import (  # noqa: F401 - the public home of the Slurm helpers
     LAUNCHER_ENV,
     OPT_OUT_ENV,
     expand_nodelist,

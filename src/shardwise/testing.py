@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .engine.comm.distributed import free_port
+from .engine.comm.process_group import free_port
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
@@ -32,7 +32,8 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tupl
         import torch
 
         torch.set_num_threads(1)  # N ranks share few cores: no oversubscription
-        from shardwise.engine.comm import collectives, distributed
+        from shardwise.engine.comm import collectives
+        from shardwise.engine.comm import process_group as distributed
 
         distributed.init_distributed(backend, timeout_s=coll_timeout_s)
         value = fn(rank, world, *args)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.engine.comm import collectives as C
+from shardwise.engine.core.context import named_sharded_params
 from shardwise.engine.core.dtensor import local_of
-from shardwise.engine.core.inspect import named_sharded_params
 from tests.models import loss_fn, make_batch, make_model
 
 GLOBAL = 12  # divisible by 1, 2, 3 and 4

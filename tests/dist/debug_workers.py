@@ -75,7 +75,7 @@ def diverge(rank: int, world: int, how: str, at_step: int) -> str:
 
 def agree_without_debug(rank: int, world: int) -> None:
     """Off unless asked for: the run trains and no fingerprint is ever exchanged."""
-    from shardwise.engine.comm import debug
+    from shardwise.engine.comm import work as debug
 
     model = _sharded()
     for step in range(2):

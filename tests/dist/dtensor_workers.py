@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardwise as sw
-from shardwise.engine.core.inspect import named_sharded_params
+from shardwise.engine.core.context import named_sharded_params
 
 BATCH = 12  # global samples per step: divides 2, 3 and 4 ranks
 TOL = 1e-5

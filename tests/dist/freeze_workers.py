@@ -116,7 +116,7 @@ def freeze_alike_parity(rank: int, world: int) -> dict[str, float]:
 def checks_issued(rank: int, world: int, debug: bool) -> list[object]:
     """The freeze checks a training step and an eval forward issue: none on the default
     path, one per training step under debug mode (none alone: nothing could differ)."""
-    from shardwise.engine.core import freeze_check
+    from shardwise.engine.core import context as freeze_check
 
     model = make_model("lm", 0)
     sw.shard_model(model, auto_wrap_policy="transformer")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.core.inspect import unit_of
+from shardwise.engine.core.context import unit_of
 
 
 def _mlp() -> nn.Module:

@@ -188,7 +188,7 @@ def hybrid(rank: int, world: int, use_mesh: bool) -> float:
 
 
 def sw_sharded(model: nn.Module) -> list:
-    from shardwise.engine.core.inspect import sharded_params
+    from shardwise.engine.core.context import sharded_params
 
     return sharded_params(model)
 

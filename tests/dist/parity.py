@@ -18,7 +18,7 @@ STEPS = 3
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full gradients of a sharded model, gathered (test-only, through all_gather)."""
     from shardwise.engine.comm import collectives as C
-    from shardwise.engine.core.inspect import named_sharded_params
+    from shardwise.engine.core.context import named_sharded_params
 
     out = {}
     for fqn, sp in named_sharded_params(model):
@@ -97,7 +97,7 @@ def prefetch_off_and_on(rank: int, world: int, strategy: str) -> dict[str, objec
     """The same training with all-gather prefetching off (`set_prefetch(False)` on the root)
     and on, each against the reference; how many all-gathers each prefetched; and the
     largest difference between the two runs' final parameters."""
-    from shardwise.engine.core.inspect import context_of
+    from shardwise.engine.core.context import context_of
 
     out: dict[str, object] = {}
     finals = []
@@ -149,7 +149,7 @@ def changing_order(rank: int, world: int, strategy: str) -> dict[str, object]:
     all-gathers were prefetched."""
     import random
 
-    from shardwise.engine.core.inspect import context_of
+    from shardwise.engine.core.context import context_of
 
     model = make_model("lm", 4)
     ref = copy.deepcopy(model)

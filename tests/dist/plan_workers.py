@@ -53,8 +53,8 @@ def reset_high_water_mark() -> bool:
 
 def held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes behind params, grads and optimizer state, each storage counted once."""
+    from shardwise.engine.core.context import sharded_params
     from shardwise.engine.core.dtensor import local_of
-    from shardwise.engine.core.inspect import sharded_params
 
     def storages(tensors: list[torch.Tensor]) -> int:
         seen: dict[int, int] = {}
@@ -120,7 +120,7 @@ def copies_case(rank: int, world: int, cfg_kw: dict,
                 cases: list[tuple[str, str | None]]) -> list[dict]:
     """For each (strategy, precision): bytes the engine copied locally in one training step
     (`Unit.copied`, summed over units) beside the planner's rule ([Note: local copies])."""
-    from shardwise.engine.core.inspect import context_of
+    from shardwise.engine.core.context import context_of
     from shardwise.engine.core.policies import MixedPrecisionPolicy
     from shardwise.planner.copies import step_copies, transport_of
     from shardwise.planner.memory import unit_cost

@@ -10,7 +10,7 @@ import torch
 
 import shardwise as sw
 from shardwise.checkpoint import block_reader, pretrained
-from shardwise.engine.core.inspect import sharded_params
+from shardwise.engine.core.context import sharded_params
 from tests import hf_models as H
 from tests.dist.pretrained_workers import _raises, assert_equal_to, full, shard
 

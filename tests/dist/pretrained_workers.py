@@ -158,7 +158,7 @@ def _raises(kind: type[Exception], fn: Any, *fragments: str) -> str:
 def keys_and_refusals(rank: int, world: int, paths: dict[str, str]) -> None:
     """Strict refusals name keys and write nothing; strict=False; unexpected keys; prefixes;
     a shardwise export round trip."""
-    from shardwise.engine.core.inspect import sharded_params
+    from shardwise.engine.core.context import sharded_params
 
     llama, ref = paths["llama"], H.reference(paths["llama"])
 

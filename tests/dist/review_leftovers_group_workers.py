@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import shardwise as sw
 from shardwise.engine.comm import collectives as C
-from shardwise.engine.core.inspect import context_of
+from shardwise.engine.core.context import context_of
 from tests.models import loss_fn, make_batch, make_model
 
 PER_RANK = 2

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 
 import shardwise as sw
 from shardwise.engine.comm import collectives as C
-from shardwise.engine.core.tp import TPParam
+from shardwise.engine.core.dtensor import TPParam
 
 # SEQ and HIDDEN divide by tp (torch's TP styles infer global shapes from even local
 # pieces); dp splits the TP-local rows unevenly (3 rows of w1 over dp 2, 3 of head).

@@ -119,7 +119,7 @@ def checkpointing_and_reuse(rank: int, world: int) -> dict[str, float]:
         with torch.no_grad():
             a, r = model(b["x"])["logits"], ref(b["x"])["logits"]
         assert (a - r).abs().max().item() < 1e-5
-        from shardwise.engine.core.inspect import units_of
+        from shardwise.engine.core.context import units_of
         from shardwise.engine.core.unit import ShardedState
 
         assert all(u.state is ShardedState.SHARDED for u in units_of(model))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import shardwise as sw
-from shardwise.engine.core.inspect import context_of
+from shardwise.engine.core.context import context_of
 from shardwise.engine.core.schedule import Limits
 from tests.models import loss_fn, make_batch, make_model
 

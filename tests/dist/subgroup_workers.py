@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import shardwise as sw
 from shardwise.engine.comm import collectives as C
-from shardwise.engine.ext.model_group import model_group
+from shardwise.engine.core.context import model_group
 from tests.models import TinyLM, loss_fn, make_batch
 
 PER_RANK = 2

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import shardwise as sw
-from shardwise.engine.core.inspect import units_of
+from shardwise.engine.core.context import units_of
 from tests.models import loss_fn, make_batch, make_model
 
 PER_RANK = 4

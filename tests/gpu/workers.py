@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
-from shardwise.engine.core.inspect import units_of
+from shardwise.engine.core.context import units_of
 from tests.models import loss_fn, make_batch, make_model
 
 PER_RANK = 4

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardwise.engine.core.hpz import check_hpz, check_params
-from shardwise.engine.core.mesh import MeshInfo
+from shardwise.engine.core.policies import MeshInfo
+from shardwise.engine.core.unit import check_hpz, check_params
 
 
 def _mesh(shard: int, replicas: int) -> MeshInfo:

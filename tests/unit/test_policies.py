@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.api.wrap import assign_params, wrap_targets
+from shardwise.engine.api.fully_shard import assign_params, wrap_targets
 from shardwise.engine.core.policies import find_block_classes
 from tests.models import Block, TinyLM
 

@@ -152,7 +152,7 @@ def _settle(device: torch.device) -> None:
 
 def _copied_per_step(model: torch.nn.Module, steps: int) -> dict[str, float]:
     """Bytes the engine copied locally per step, by where (shardwise systems; {} others)."""
-    from ..engine.core.inspect import units_of
+    from ..engine.core.context import units_of
 
     total: dict[str, float] = {}
     for u in units_of(model):

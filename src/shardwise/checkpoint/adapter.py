@@ -16,8 +16,8 @@ import shutil
 import torch
 from torch import nn
 
-from ..engine.core.checks import check_module, check_path
-from ..engine.ext.model_group import model_group
+from ..engine.core.context import model_group
+from ..engine.core.policies import check_module, check_path
 from .state_dict import gather_full
 from .sync import agreed, as_error
 

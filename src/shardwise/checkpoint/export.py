@@ -170,8 +170,8 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     names: list[str] = []
     # Here, not at the top: the offline `export_checkpoint` (`shardwise export`) needs none
     # of the engine, whose import is most of that command's time.
-    from ..engine.core.checks import check_module, check_path
-    from ..engine.ext.model_group import model_group
+    from ..engine.core.context import model_group
+    from ..engine.core.policies import check_module, check_path
     from .slots import model_view, writes_shards
     from .state_dict import gather_full
     from .sync import agreed, as_error

@@ -29,12 +29,11 @@ import torch
 from torch import nn
 
 from ..engine.api.fully_shard import reshard_between_steps
-from ..engine.core.checks import check_bool, check_module, check_path
-from ..engine.core.inspect import units_of
+from ..engine.core.context import model_group, units_of
+from ..engine.core.policies import check_bool, check_module, check_path
 from ..engine.core.sharded_param import ShardedParam
-from ..engine.ext.full_init import still_unfilled
-from ..engine.ext.full_init import unfilled as sentinel_tensor
-from ..engine.ext.model_group import model_group
+from ..engine.ext.materialize import still_unfilled
+from ..engine.ext.materialize import unfilled as sentinel_tensor
 from .block_reader import DEFAULT_BUFFER_BYTES, BlockReader
 from .hf_keys import KeyMap, hf_root, is_adapter_key, map_keys
 from .manifest import CheckpointError

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from ..engine.ext.model_group import ModelGroup
+from ..engine.core.context import ModelGroup
 
 Found = dict[tuple[str, str, tuple[tuple[int, int], ...]], int]
 

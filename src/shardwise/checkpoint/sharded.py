@@ -21,10 +21,9 @@ from torch import nn
 
 from ..engine.api.fully_shard import reshard_between_steps
 from ..engine.comm import collectives as C
-from ..engine.core.checks import check_bool, check_module, check_path
-from ..engine.core.inspect import units_of
+from ..engine.core.context import ModelGroup, model_group, units_of
+from ..engine.core.policies import check_bool, check_module, check_path
 from ..engine.core.sharded_param import ShardedParam
-from ..engine.ext.model_group import ModelGroup, model_group
 from . import atomic, optim_state
 from .finite import check_finite
 from .manifest import (

@@ -19,11 +19,10 @@ import torch
 from torch import nn
 
 from ..engine.comm import collectives as C
+from ..engine.core.context import model_group, named_sharded_params
 from ..engine.core.dtensor import local_of
-from ..engine.core.inspect import named_sharded_params
 from ..engine.core.layout import from_rows
 from ..engine.core.sharded_param import ShardedParam
-from ..engine.ext.model_group import model_group
 from .manifest import TensorInfo, model_name
 
 

@@ -9,9 +9,9 @@ from torch import nn
 
 from ..engine.api.fully_shard import reshard_between_steps
 from ..engine.comm import collectives as C
-from ..engine.core.checks import check_bool, check_module
+from ..engine.core.context import model_group
+from ..engine.core.policies import check_bool, check_module
 from ..engine.core.sharded_param import ShardedParam
-from ..engine.ext.model_group import model_group
 from .slots import refuse_extension, set_plain
 from .sync import agreed
 

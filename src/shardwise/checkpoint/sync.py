@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from ..engine.comm import collectives as C
-from ..engine.ext.model_group import ModelGroup
+from ..engine.core.context import ModelGroup
 from .manifest import CheckpointError, CheckpointNotFoundError
 
 _KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError,

@@ -18,7 +18,7 @@ def make_mlp() -> nn.Module:
 def worker(steps: int) -> dict:
     import shardwise as sw
     from shardwise.engine.comm import collectives
-    from shardwise.engine.core.inspect import named_sharded_params
+    from shardwise.engine.core.context import named_sharded_params
 
     torch.set_num_threads(1)
     rank, world, _ = sw.init_distributed()

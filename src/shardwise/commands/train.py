@@ -137,7 +137,7 @@ def expected_errors() -> dict[type[BaseException], int]:
     # From their modules, not `shardwise.X`: the launcher process needs none of the rest of
     # the public API ([Note: lazy package] in shardwise/__init__.py).
     from ..checkpoint.manifest import CheckpointError
-    from ..engine.comm.debug import CollectiveError
+    from ..engine.comm.work import CollectiveError
 
     return {ValueError: 2, CheckpointError: 2, CollectiveError: 1}
 

@@ -74,7 +74,7 @@ class RankTrainer:
 
     def __init__(self, rank: int, world: int, cfg: dict, seed: int, device: torch.device) -> None:
         import shardwise as sw
-        from shardwise.engine.core.inspect import sharded_params
+        from shardwise.engine.core.context import sharded_params
         from shardwise.observe.sinks import attach_sink
 
         self.rank, self.world, self.device = rank, world, device
@@ -103,7 +103,7 @@ class RankTrainer:
 
     def shard_map(self) -> dict:
         """Units in module order; per parameter the rows of dim 0 this rank holds."""
-        from shardwise.engine.core.inspect import mesh_of, units_of
+        from shardwise.engine.core.context import mesh_of, units_of
 
         units = []
         for unit in units_of(self.model):

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..engine.comm.distributed import free_port
+from ..engine.comm.process_group import free_port
 from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from ..launch import workers_ignore_sigint
 

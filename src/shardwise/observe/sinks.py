@@ -7,9 +7,8 @@ from typing import IO
 
 from torch import nn
 
-from ..engine.core.context import ModelContext
+from ..engine.core.context import ModelContext, context_of
 from ..engine.core.events import Event, EventSink
-from ..engine.core.inspect import context_of
 
 
 def _context(model: nn.Module) -> ModelContext:

@@ -28,8 +28,8 @@ from typing import Any
 from torch import nn
 
 from ..engine.comm import collectives as C
+from ..engine.core.context import model_group
 from ..engine.core.events import COLLECTIVES, Event, now
-from ..engine.ext.model_group import model_group
 from .overlap import OverlapReport, StepOverlap, overlap_rows, step_windows
 from .sinks import attach_sink, detach_sink, set_step
 

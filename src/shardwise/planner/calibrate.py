@@ -339,7 +339,7 @@ def _cores() -> int:
 
 def _worker(matmul: tuple[int, int, int], attention: tuple[int, int, int, int],
             repeats: int) -> dict:
-    from ..engine.comm.distributed import init_distributed
+    from ..engine.comm.process_group import init_distributed
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, _cores() // local))  # as `shardwise train` does

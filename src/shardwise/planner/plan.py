@@ -14,12 +14,13 @@ import os
 import torch
 from torch import nn
 
-from ..engine.core.checks import check_bool, check_int
 from ..engine.core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicyLike,
+    check_bool,
+    check_int,
     dtype_name,
 )
 from . import timing as T

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
-from ..engine.core.buffers import BufferPool
 from ..engine.core.schedule import DEFAULT_LIMITS, Limits, Schedule
+from ..engine.core.unit import BufferPool
 from .memory import UnitCost, _size
 from .replay import ReplayUnit, replay_backward, replay_forward
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.api.wrap import ParamSpec, UnitSpec
+from ..engine.api.fully_shard import ParamSpec, UnitSpec
 from ..engine.core.events import wire_bytes
 from .estimate import TimeEstimate
 from .profiles import DeviceProfile, InterconnectProfile

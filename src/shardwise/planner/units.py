@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine.api.wrap import ParamSpec, UnitSpec, assign_params, wrap_targets
+from ..engine.api.fully_shard import ParamSpec, UnitSpec, assign_params, wrap_targets
 from ..engine.core.policies import WrapPolicyLike, find_block_classes, resolve_wrap_policy
 from .shape import TransformerShape, shape_of_model
 

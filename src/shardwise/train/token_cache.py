@@ -161,7 +161,7 @@ def prepare_shared(data_path: str | Path, model_folder: str | Path, cache_dir: s
     same entry. An error on any rank is raised on every rank with the same one-line message;
     nodes whose data or tokenizer differ are refused. `progress` is called on those first
     ranks only."""
-    from ..engine.comm.exchange import all_gather_bytes
+    from ..engine.comm.collectives import all_gather_bytes
 
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     mine: dict[str, Any] = {}

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import shardwise as sw
+from shardwise.engine.core.context import units_of
 from shardwise.engine.core.dtensor import local_of
-from shardwise.engine.core.inspect import units_of
 from tests.dist.fsdp2.common import (
     Expect,
     check_sharded_parity,

@@ -34,21 +34,252 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY as _COMPOSABLE_STATE_KEY
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import OffloadPolicy as TorchNoOffload
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from ..core import dtensor as DT
+from ..core.context import unit_of
+from ..core.extension import torch_mp
 from ..core.hooks import forward_post_hook, forward_pre_hook
-from ..core.inspect import unit_of
-from .param_group_view import FSDPParamGroupView, torch_mp_policy
+from ..core.schedule import ShardedState, TrainingState
 
 if TYPE_CHECKING:
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-
-    from ..core.mesh import MeshInfo
-    from ..core.policies import CPUOffloadPolicy, MixedPrecisionPolicy
+    from ..core.policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
+    from ..core.sharded_param import ShardedParam
     from ..core.unit import Unit
+
+
+# -------------------- formerly api/sd_hooks.py --------------------
+# `module.state_dict()` / `load_state_dict()` hooks on every module that holds a sharded
+# parameter, as FSDP2 registers them.
+## [Note: state-dict hooks] Before a module's state dict is taken or loaded, its units reshard,
+# so `model.state_dict()` gives the DTensor shards at every point of a step (between a forward
+# and its backward too, where a unit that keeps its parameters, and the root, would otherwise
+# show full plain tensors). Backward then gathers again what it needs, as after a
+# `reshard_after_forward=True` forward. Loading also allocates shards still on the meta
+# device (a model sharded on meta and loaded without `to_empty`), and after the load puts
+# back the engine's own parameters where `load_state_dict(assign=True)` (what
+# `set_model_state_dict` uses for a meta model) replaced them, copying the loaded values
+# into the shards: otherwise the load would "succeed" into tensors the engine never reads.
+
+
+def install_state_dict_hooks(params: list[ShardedParam]) -> None:
+    for sp in params:
+        for ref in sp.refs:
+            m = ref.module
+            slots: dict[str, ShardedParam] | None = m.__dict__.get("_sw_slots")
+            if slots is None:
+                slots = m.__dict__["_sw_slots"] = {}
+                m.register_state_dict_pre_hook(_pre_save)
+                m.register_load_state_dict_pre_hook(_pre_load)
+                m.register_load_state_dict_post_hook(_post_load)
+            slots[ref.name] = sp
+
+
+def _units(module: nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for sp in module.__dict__["_sw_slots"].values():
+        if sp.owner is not None:
+            seen.setdefault(id(sp.owner), sp.owner)
+    return list(seen.values())
+
+
+def _reshard(module: nn.Module, what: str) -> None:
+    for u in _units(module):
+        if u.training_state is TrainingState.PRE_BACKWARD and u.ctx is not None \
+                and u.ctx.in_backward:
+            raise RuntimeError(f"{what} of {type(module).__name__} inside the backward of "
+                               f"unit {u.label!r} (its parameters are in use); call it "
+                               "between steps or between forward and backward")
+        u.reshard()
+
+
+def _pre_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _reshard(module, "state_dict()")
+
+
+def _pre_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    _reshard(module, "load_state_dict()")
+    for name, sp in module.__dict__["_sw_slots"].items():
+        sp.materialize()  # a no-op unless the shard is still on the meta device
+        _zero_dim_value(sp, state_dict, prefix + name)
+
+
+def _zero_dim_value(sp: ShardedParam, state_dict: dict, key: str) -> None:
+    """A 0-d parameter's plain full value as its DTensor face: this rank's row of it.
+
+    The face of a 0-d parameter has global shape (1,) ([Note: DTensor parameters]), and
+    torch's `set_model_state_dict(full_state_dict=True)` hands 0-d values over as they are
+    (it distributes only tensors of one dim or more), so load_state_dict refused them as a
+    size mismatch. The unsharded module takes a 0-d value here; so does the sharded one.
+    """
+    value = state_dict.get(key)
+    if (sp.spec is None or sp.orig_shape != torch.Size([]) or not isinstance(value, torch.Tensor)
+            or DT.is_dtensor(value) or value.dim() != 0):
+        return
+    rows = value.detach().reshape(1)[sp.row_start: sp.row_end]
+    state_dict[key] = DT.wrap(rows.to(sp.local.device, sp.local.dtype), sp.spec)
+
+
+def _post_load(module: nn.Module, incompatible: Any) -> None:
+    slots: dict[str, ShardedParam] = module.__dict__["_sw_slots"]
+    for name, sp in slots.items():
+        now = module._parameters.get(name)
+        if now is None or now is sp.sharded or now is sp.unsharded:
+            continue
+        # load_state_dict(assign=True) put the loaded tensor in place of the engine's.
+        with torch.no_grad():
+            if DT.is_dtensor(now):
+                local = DT.local_of(now)
+                mine = tuple(sp.from_rows(sp.local).shape)  # the face's layout
+                placed = getattr(sp.sharded, "placements", None)
+                moved = sp.shard_dim != 0 and now.placements != placed
+                if tuple(local.shape) != mine or moved:
+                    raise ValueError(
+                        f"{sp.fqn}: the loaded DTensor's local shard has shape "
+                        f"{tuple(local.shape)} placed {now.placements}, this rank's shard "
+                        f"{mine} placed {placed} (a different sharding); load "
+                        "a full state dict instead")
+                sp.local.copy_(sp.to_rows(local))
+            else:
+                sp.set_full(now.detach())
+            requires_grad = now.requires_grad
+        for ref in sp.refs:
+            ref.module._parameters[ref.name] = sp.sharded
+        if requires_grad != sp.requires_grad:
+            sp.set_requires_grad(requires_grad)
+
+
+# -------------------- formerly api/param_group_view.py --------------------
+# FSDP2's per-unit facts, read through `fully_shard.state(m)._fsdp_param_group`.
+## Frameworks and tests written for FSDP2 read a unit's policies and parameters from its
+# FSDPParamGroup (`mp_policy`, `offload_policy`, `fsdp_params[i].sharded_param`, ...). These
+# views answer the same questions from shardwise's unit, with torch's own policy classes, so
+# `isinstance(pg.offload_policy, CPUOffloadPolicy)` reads as on FSDP2. They are read-only
+# facts, plus the one action torch.distributed.pipelining takes on a param group,
+# `post_backward()` ([Note: pipelining] in state.py). FSDP2's machinery (streams,
+# `comm_ctx`, all-gather outputs) has no counterpart here, and reading it raises
+# AttributeError rather than returning an empty stand-in.
+
+
+# The unit's mixed precision as FSDP2 holds it (its default policy when off): one function,
+# in core, where the all-gather extensions' 5-argument pre hook needs it too.
+torch_mp_policy = torch_mp
+
+
+def _offloaded(unit: Unit) -> bool:
+    return unit.offload is not None and unit.offload.params
+
+
+class FSDPParamView:
+    """One parameter's FSDPParam facts: FSDP2's names, shardwise's values."""
+
+    def __init__(self, sp: ShardedParam, unit: Unit) -> None:
+        self._sp = sp
+        self._unit = unit
+
+    @property
+    def sharded_param(self) -> nn.Parameter:
+        """What the module and the optimizer hold (a DTensor on this rank's rows)."""
+        return self._sp.sharded
+
+    @property
+    def _orig_size(self) -> torch.Size:
+        return torch.Size(self._sp.orig_shape)
+
+    @property
+    def sharded_size(self) -> torch.Size:
+        """This rank's rows, without padding (FSDP2's chunk size)."""
+        return torch.Size(self._sp.local.shape)
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        # FSDP2's clamp: None when no cast happens (same dtype, or not floating point).
+        want = self._unit.mp.param_dtype if self._unit.mp is not None else None
+        orig = self._sp.orig_dtype
+        return None if want in (None, orig) or not orig.is_floating_point else want
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        mp = self._unit.mp
+        if mp is None or mp.reduce_dtype == mp.param_dtype:
+            return None
+        return mp.reduce_dtype
+
+    @property
+    def offload_to_cpu(self) -> bool:
+        return _offloaded(self._unit)
+
+    @property
+    def pin_memory(self) -> bool:
+        return _offloaded(self._unit) and bool(self._unit.offload.pin_memory)  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return f"FSDPParamView({self._sp.fqn!r}, {tuple(self._sp.orig_shape)})"
+
+
+class FSDPParamGroupView:
+    """One unit's FSDPParamGroup facts."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        return tuple(self._unit.modules)
+
+    @property
+    def fsdp_params(self) -> list[FSDPParamView]:
+        # Built on each read: the unit's parameters change when a tied one is re-homed.
+        return [FSDPParamView(sp, self._unit) for sp in self._unit.params]
+
+    @property
+    def device(self) -> torch.device:
+        return self._unit.mesh.device
+
+    @property
+    def mp_policy(self) -> TorchMP:
+        return torch_mp_policy(self._unit)
+
+    @property
+    def offload_policy(self) -> TorchNoOffload:
+        off = self._unit.offload
+        if off is None or not off.params:
+            return TorchNoOffload()
+        return TorchOffload(pin_memory=off.pin_memory)
+
+    @property
+    def post_forward_mesh_info(self) -> MeshInfo | None:
+        """None where forward keeps the full parameters, as in FSDP2 (the value is
+        shardwise's mesh facts, not FSDP2's FSDPMeshInfo)."""
+        return self._unit.mesh if self._unit.reshards_after_forward else None
+
+    @property
+    def reduce_grads(self) -> bool:
+        return self._unit.requires_grad_sync
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self._unit.reshard_after_backward
+
+    def post_backward(self) -> None:
+        """Reduce what this unit's backward passes accumulated (and, per
+        `reshard_after_backward`, reshard): what torch.distributed.pipelining calls on every
+        param group after the last microbatch ([Note: pipelining]). The reductions are
+        waited for by the root state's `_root_post_backward_final_callback()`."""
+        unit = self._unit
+        if unit.ctx is None:
+            return
+        if unit.state is not ShardedState.SHARDED or unit.has_unreduced_grads():
+            unit.ctx.schedule.post_backward(unit)
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroupView({self._unit.label!r}, params={len(self._unit.params)})"
 
 
 class ShardwiseState:

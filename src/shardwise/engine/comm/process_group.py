@@ -62,16 +62,21 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import math
 import os
 import platform
+import re
+import socket
 import sys
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -380,3 +385,312 @@ def byte_device(group: ProcessGroup | None) -> torch.device:
     """Where small host-side exchanges live for `group`'s backend (NCCL needs the GPU)."""
     return torch.device("cuda", torch.cuda.current_device()) if backend(group) == "nccl" \
         else torch.device("cpu")
+
+
+# -------------------- formerly comm/subgroups.py --------------------
+# Process groups of a few consecutive ranks inside a shard group (hpZ's post-forward groups).
+## `fully_shard(m, reshard_after_forward=k)` keeps, between forward and backward, a shard of
+# each parameter over the k consecutive ranks of the shard group that this rank belongs to
+# (FSDP2's `(S/k, k)` post-forward mesh, engine/core/hpz.py); backward's all-gather runs in
+# that group. Only the group's own members create it (`use_local_synchronization`): the
+# fully_shard call that asks for it may run on a sub-mesh whose other world ranks never call
+# anything. One group per set of ranks is made and kept: every unit of a model asks for the
+# same one, and a second group with the same ranks would take the same (hashed) name.
+
+# (default group, global ranks) -> the group; cleared when the default group changes (a
+# new init_process_group), whose groups are gone with it.
+_groups: dict[tuple[int, ...], ProcessGroup] = {}
+_made_under: list[object] = []
+
+
+def block_ranks(shard_group: ProcessGroup | None, k: int) -> list[int]:
+    """The global ranks of this rank's block of `k` consecutive shard-group ranks."""
+    ranks = group_ranks(shard_group)
+    me = rank(shard_group)
+    first = (me // k) * k
+    return ranks[first : first + k]
+
+
+def block_group(shard_group: ProcessGroup | None, k: int) -> ProcessGroup:
+    """This rank's process group of `k` consecutive ranks of `shard_group` (k divides its
+    size; made once per set of ranks, by those ranks only)."""
+    default = dist.distributed_c10d._get_default_group()
+    if not _made_under or _made_under[0] is not default:
+        _groups.clear()
+        _made_under[:] = [default]
+    ranks = tuple(block_ranks(shard_group, k))
+    group = _groups.get(ranks)
+    if group is None:
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        assert group is not None, f"rank {dist.get_rank()} is not in its own block {ranks}"
+        _groups[ranks] = group
+    return group
+
+
+# -------------------- formerly comm/meshes.py --------------------
+# DeviceMesh dims that need process groups of their own (fully_shard's dp_mesh_dims).
+## Flattening several dims of a mesh into one creates that dim's process group (a collective
+# over the mesh's ranks the first time; DeviceMesh keeps it by name after that), so it lives
+# here with the other calls that talk to torch.distributed.
+
+
+def flatten(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh[names]` as one dim named "_".join(names) (FSDP2's name for it), or the named
+    dim itself when there is one."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
+def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of `meshes` in order (sub-meshes of one root mesh);
+    no new group: each dim keeps its own."""
+    if len(meshes) == 1:
+        return meshes[0]
+    return DeviceMesh._concatenate(meshes)
+
+
+# -------------------- formerly comm/slurm.py --------------------
+# Slurm's `srun` without torchrun: SLURM_* variables into torchrun's.
+## torch.distributed's `env://` start-up reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT,
+# and shardwise reads LOCAL_RANK and LOCAL_WORLD_SIZE too (the device, HYBRID_SHARD's node
+# groups, threads per rank). torchrun sets all of them; `srun` sets its own SLURM_* variables
+# instead. `torch_env_from_slurm(environ)` translates one into the other, and
+# `use_slurm_env()` applies it to this process; `init_distributed` calls it when no group and
+# no RANK exist, so `srun python train.py` joins one process group (docs/launching.md).
+## Only the standard library is imported: this runs before torch does anything distributed.
+
+# Set by use_slurm_env (and by shardwise's Ray helper) so the header can name the launcher.
+LAUNCHER_ENV = "SHARDWISE_LAUNCHER"
+# SHARDWISE_SLURM=0 leaves the SLURM_* variables alone (e.g. to run one process inside an
+# allocation); "1" (or unset) translates them when a task of an srun step is found.
+OPT_OUT_ENV = "SHARDWISE_SLURM"
+# Ports below Linux's ephemeral range (32768-60999), so one the OS handed out for an
+# outgoing connection cannot already hold it.
+PORT_BASE, PORT_SPAN = 20000, 10000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list -> host names, in order.
+
+    `node[01-03,07],gpu5` -> node01 node02 node03 node07 gpu5 (zero padding kept). Several
+    bracket groups in one name (`rack[1-2]-n[1-2]`) expand as a product, like scontrol.
+    """
+    text = nodelist.strip()
+    if not text:
+        raise ValueError("SLURM node list is empty")
+    hosts: list[str] = []
+    for name in _split_top_level(text, nodelist):
+        hosts += _expand_one(name, nodelist)
+    return hosts
+
+
+def _split_top_level(text: str, whole: str) -> list[str]:
+    """Split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            why = "nested brackets" if depth > 1 else "unbalanced brackets"
+            raise ValueError(f"SLURM node list {whole!r} is not allowed: {why}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"SLURM node list {whole!r} is not allowed: unbalanced brackets")
+    parts.append(text[start:])
+    if any(not p.strip() for p in parts):
+        raise ValueError(f"SLURM node list {whole!r} is not allowed: an empty host name")
+    return [p.strip() for p in parts]
+
+
+def _expand_one(name: str, whole: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if m is None:
+        if "]" in name:
+            raise ValueError(f"SLURM node list {whole!r} is not allowed: unbalanced brackets")
+        return [name]
+    head, tail = name[:m.start()], name[m.end():]
+    out = []
+    for item in m.group(1).split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"SLURM node list {whole!r} is not allowed: {item!r} is not a "
+                             "number or a range such as 01-04")
+        if not sep:
+            numbers = [lo]
+        else:
+            if int(hi) < int(lo):
+                raise ValueError(f"SLURM node list {whole!r} is not allowed: the range "
+                                 f"{item!r} runs backwards")
+            width = len(lo)  # node[08-10]: node08 node09 node10
+            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        for n in numbers:
+            out += _expand_one(f"{head}{n}{tail}", whole)
+    return out
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The task count of node `node` from Slurm's `2(x3),1` form (3 nodes with 2, then 1)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ValueError(f"SLURM tasks per node {tasks_per_node!r} is not allowed: "
+                             f"{part!r} is not N or N(xK)")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if node >= len(counts):
+        raise ValueError(f"SLURM tasks per node {tasks_per_node!r} lists {len(counts)} nodes; "
+                         f"this is node {node}")
+    return counts[node]
+
+
+def in_srun_step(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an `srun` step (not the batch script itself, which
+    runs once however many tasks the job asked for), and the user did not opt out."""
+    if environ.get(OPT_OUT_ENV, "1") == "0":
+        return False
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
+    return "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and step is not None \
+        and step != "batch"
+
+
+def _int(environ: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not allowed: must be an integer") from None
+    return None
+
+
+def torch_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for this task of an srun step ({} outside one).
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node) and
+    GROUP_WORLD_SIZE (the nodes) come from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the
+    tasks on this node, SLURM_NODEID and the node count. MASTER_ADDR is the first host of
+    the step's node list (where task 0 runs, under Slurm's default block distribution);
+    MASTER_PORT is 20000 + job id mod 10000, so every task of the job agrees on it without
+    talking. A MASTER_ADDR or MASTER_PORT already set is kept: the way to choose them.
+    """
+    if not in_srun_step(environ):
+        return {}
+    rank = _int(environ, "SLURM_PROCID")
+    world = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    local = _int(environ, "SLURM_LOCALID")
+    node = _int(environ, "SLURM_NODEID") or 0
+    assert rank is not None and world is not None  # in_srun_step checked them
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"SLURM_PROCID={rank} is not allowed with SLURM_NTASKS={world}: "
+                         "need 0 <= rank < tasks")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") \
+        or environ.get("SLURM_NODELIST")
+    if not nodelist and "MASTER_ADDR" not in environ:
+        raise ValueError("SLURM_JOB_NODELIST is not set, so the address of task 0 is "
+                         "unknown: set MASTER_ADDR")
+    hosts = expand_nodelist(nodelist) if nodelist else []
+    nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES") \
+        or len(hosts) or 1
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if per_node:
+        local_world = tasks_on_node(per_node, node)
+    elif world % nodes == 0:
+        local_world = world // nodes
+    else:
+        raise ValueError(f"SLURM_NTASKS={world} over {nodes} nodes is uneven and "
+                         "SLURM_TASKS_PER_NODE is not set: set it (or --ntasks-per-node)")
+    if local is None or not 0 <= local < local_world:
+        raise ValueError(f"SLURM_LOCALID={environ.get('SLURM_LOCALID')!r} is not allowed "
+                         f"with {local_world} tasks on this node")
+    port = environ.get("MASTER_PORT")
+    if port is None:
+        job = _int(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+        if job is None:
+            raise ValueError("SLURM_JOB_ID is not set, so no port can be derived: set "
+                             "MASTER_PORT")
+        port = str(PORT_BASE + job % PORT_SPAN)
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or hosts[0], "MASTER_PORT": port,
+        LAUNCHER_ENV: "slurm",
+    }
+
+
+def use_slurm_env() -> bool:
+    """Inside an srun task without torchrun's variables, set them from Slurm's (see
+    `torch_env_from_slurm`); True when it did. A process torchrun started (RANK set) is
+    left alone: `srun torchrun ...` works as before. Call before `sw.init_distributed()`."""
+    if "RANK" in os.environ:
+        return False
+    env = torch_env_from_slurm(os.environ)
+    os.environ.update(env)
+    return bool(env)
+
+
+# -------------------- formerly comm/distributed.py --------------------
+# Process-group start-up from torchrun's environment, and gradient-sync control.
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it); another process may
+    still take it before the caller binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float | None = None
+) -> tuple[int, int, torch.device]:
+    """Join the process group described by torchrun's environment; return (rank, world, device).
+
+    Without torchrun's variables it starts a one-process group on 127.0.0.1, so the same
+    script runs alone. Backend: NCCL when CUDA is available, else gloo. `timeout_s` (default
+    SHARDWISE_TIMEOUT or 300) bounds every collective, so a dead rank raises instead of
+    hanging forever.
+    """
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} must be 'gloo', 'nccl' or None")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo'")
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r} is not allowed: must be a finite number > 0")
+    else:
+        env = os.environ.get("SHARDWISE_TIMEOUT")
+        try:
+            timeout_s = float(env) if env is not None else DEFAULT_TIMEOUT_S
+        except ValueError:
+            timeout_s = math.nan
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"SHARDWISE_TIMEOUT={env!r} is not allowed: must be a finite "
+                             "number of seconds > 0")
+    if "RANK" not in os.environ and not is_initialized():
+        use_slurm_env()  # an srun task without torchrun: Slurm's variables say who we are
+    if "RANK" not in os.environ and not is_initialized():
+        # Alone (no launcher); a group that exists already (Ray Train's) is joined as it is.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = float(timeout_s)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not is_initialized():
+        init_process_group(backend, timeout)
+    return rank(), world_size(), device

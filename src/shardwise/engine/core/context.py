@@ -12,23 +12,295 @@ the first forward (`ensure_ready`).
 
 from __future__ import annotations
 
+import functools
+import struct
 import zlib
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
-from ..comm.debug import debug_enabled
-from .containers import ContainerCheck, find_holders
+from ..comm import process_group as PG
+from ..comm.work import debug_enabled
+from .dtensor import check_params_in_place
 from .events import EventSink
-from .freeze_check import check_same_trainable
-from .inspect import unit_of
-from .mesh import agreement_groups
+from .policies import agreement_groups, model_ranks
 from .schedule import Limits, Schedule, ShardedState, TrainingState
-from .streams import Streams, streams_for
-from .tp import check_params_in_place
-from .unit import Unit
+from .unit import Streams, Unit, streams_for
+
+if TYPE_CHECKING:
+    from .policies import MeshInfo
+    from .sharded_param import ShardedParam
+
+
+# -------------------- formerly core/inspect.py --------------------
+# Looking inside a sharded model: its units, sharded parameters and per-model context.
+## The one way the rest of the package (checkpoints, observers, the explorer, the CLI) finds
+# what the engine built, instead of reading engine attributes off modules.
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit `fully_shard(module)` made (None: the module was not sharded itself)."""
+    # The module's own attribute: a wrapper that forwards unknown attributes to the module
+    # inside it (CheckpointWrapper) must not look sharded when only its layer is.
+    return vars(module).get("_sw_unit")
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """Every unit at or below `model`, in module order (the root, if sharded, first)."""
+    return [u for m in model.modules() if (u := unit_of(m)) is not None]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(unit_of(m) is not None for m in model.modules())
+
+
+def context_of(model: nn.Module) -> ModelContext | None:
+    """The per-model context of the sharded root at or below `model` (None: not sharded)."""
+    units = units_of(model)
+    return units[0].ctx if units else None
+
+
+def mesh_of(model: nn.Module) -> MeshInfo | None:
+    """The process groups the first unit of `model` communicates over."""
+    units = units_of(model)
+    return units[0].mesh if units else None
+
+
+def sharded_params(model: nn.Module) -> list[ShardedParam]:
+    """Every ShardedParam under `model`, once each, in unit order."""
+    out, seen = [], set()
+    for u in units_of(model):
+        for p in u.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
+    """(FQN relative to `model`, ShardedParam) for every sharded parameter, first name wins.
+
+    Names follow `model.named_parameters()`, so tied parameters appear once.
+    """
+    out, seen = [], set()
+    for mname, m in model.named_modules():
+        for pname, t in m._parameters.items():
+            sp = getattr(t, "_sw_param", None) if t is not None else None
+            if sp is not None and id(sp) not in seen:
+                seen.add(id(sp))
+                out.append((f"{mname}.{pname}" if mname else pname, sp))
+    return out
+
+
+# -------------------- formerly core/containers.py --------------------
+# Containers of units: every member runs once per call of the module that holds them.
+## [Note: data-dependent units] Each rank's collectives follow from the module structure alone
+# ([Note: structure decides] in schedule.py): a unit gathers when its forward reaches it. A
+# model whose data decides which units run breaks that. The usual case is a mixture-of-experts
+# layer whose experts are sharded one unit each, in an `nn.ModuleList`: a rank that routes no
+# token to expert 3 never calls it, so it never joins the all-gather the other ranks issue for
+# it. Their collectives then pair with other ones: same-sized experts exchange each other's
+# rows (wrong numbers), others abort in the backend or hang.
+## No per-step agreement between ranks is paid to follow such models (FSDP2 pays none either).
+# Instead, each rank checks its own calls, which needs no communication: the module holding a
+# `ModuleList`/`ModuleDict` of units (the *holder*: the MoE layer, the model's layer stack)
+# must call each member exactly once per call of its own, in any order. A member called a
+# second time is refused at its forward, before it gathers; a member skipped is named when
+# the holder returns, before this rank issues another collective. Either way this rank raises
+# a `RuntimeError` naming the unit and the fix, and its peers, left waiting in a collective it
+# will not join, get a `CollectiveError` once it exits (or at the collective timeout). The
+# numbers never go wrong silently.
+## What keeps every rank's collectives alike whatever the routing: one unit per MoE layer (its
+# experts plain modules inside it; an expert without tokens gets no gradient, and the reduce
+# buffer's flags keep that `None`, [Note: unused gradients] in reduce.py), or experts held as
+# one 3-D parameter (torchtitan's grouped experts). docs/moe.md shows both.
+## Layer stacks whose order changes between steps, or a holder called several times in one
+# forward, are fine: only "once per holder call" is checked. Calls made while recomputing
+# (activation checkpointing) are not counted: the forward already was. Under SHARDWISE_DEBUG the
+# check stands aside: the collective fingerprints then name the first collective where the
+# ranks part, on every rank (CollectiveMismatchError), which is the better error.
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+class ContainerCheck:
+    """One model's holders, their member units, and the calls seen in each holder's call."""
+
+    def __init__(self, holders: list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]],
+                 in_backward: Callable[[], bool]) -> None:
+        # (holder module, its name in the model, its members: (a unit's module, its name)).
+        # Modules, not units: a list-form unit may span several members.
+        self.holders = holders
+        self.in_backward = in_backward
+        # id(member module) -> index of its holder; per holder: the members called in its
+        # running call (None: the holder is not running).
+        self.holder_of = {id(m): i for i, (_, _, ms) in enumerate(holders) for m, _ in ms}
+        self.seen: list[set[int] | None] = [None] * len(holders)
+        self.handles: list[Any] = []
+        for i, (holder, _, _) in enumerate(holders):
+            self.handles.append(holder.register_forward_pre_hook(
+                functools.partial(self._holder_starts, i)))
+            self.handles.append(holder.register_forward_hook(
+                functools.partial(self._holder_ends, i)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _holder_starts(self, i: int, module: nn.Module, args: Any) -> None:
+        if not self.in_backward() and not debug_enabled():
+            self.seen[i] = set()
+
+    def called(self, module: nn.Module) -> None:
+        """A unit's `module` begins its forward (outside recomputation): refuse a second
+        call in its holder's running call before anything is gathered for it."""
+        i = self.holder_of.get(id(module))
+        if i is None or self.seen[i] is None:
+            return  # not a member, or called outside its holder's forward
+        seen = self.seen[i]
+        assert seen is not None
+        if id(module) in seen:
+            self.seen[i] = None
+            name = next(n for m, n in self.holders[i][2] if m is module)
+            raise RuntimeError(_message(name, self.holders[i][1], "ran twice"))
+        seen.add(id(module))
+
+    def _holder_ends(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+        seen, self.seen[i] = self.seen[i], None
+        if seen is None:
+            return
+        missing = [n for m, n in self.holders[i][2] if id(m) not in seen]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise RuntimeError(_message(missing[0] + more, self.holders[i][1], "did not run"))
+
+
+def _message(unit: str, holder: str, what: str) -> str:
+    # This rank is out of step with its peers from here on: any further collective would
+    # pair with another one, so the exit must not wait for them at a barrier either.
+    PG.mark_failed()
+    return (f"rank {PG.rank(None)}: unit {unit!r} {what} in this call of {holder or '<root>'!r}, "
+            "which holds it in a ModuleList/ModuleDict of units; every rank must run each "
+            "such unit once per call, or ranks would issue different collectives (an expert "
+            "that got no token here). Shard the MoE layer as one unit (fully_shard on the "
+            "layer, not on each expert) or hold the experts as one 3-D parameter; see "
+            "docs/moe.md")
+
+
+def find_holders(named: list[tuple[str, nn.Module]], is_unit: Callable[[nn.Module], bool]
+                 ) -> list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]]:
+    """The holders among the model's `named` modules (those whose child is a container of
+    units; nested containers belong to the outermost one) with their members."""
+    by_name = dict(named)
+    out = []
+    for name, c in named:
+        if not name or not isinstance(c, _CONTAINERS):
+            continue
+        holder_name = name.rpartition(".")[0]
+        holder = by_name.get(holder_name)
+        if holder is None or isinstance(holder, _CONTAINERS):
+            continue  # part of the outer container's members
+        members: list[tuple[nn.Module, str]] = []
+        _collect(c, name, is_unit, members)
+        if members:
+            out.append((holder, holder_name, members))
+    return out
+
+
+def _collect(c: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool],
+             members: list[tuple[nn.Module, str]]) -> None:
+    for n, m in c.named_children():
+        if is_unit(m):
+            members.append((m, f"{prefix}.{n}"))
+        elif isinstance(m, _CONTAINERS):
+            _collect(m, f"{prefix}.{n}", is_unit, members)
+
+
+# -------------------- formerly core/freeze_check.py --------------------
+# The freeze check (SHARDWISE_DEBUG=1): every rank must agree on which parameters require grad.
+## [Note: freeze check] A unit's gradient reduction packs only the parameters that require
+# grad (`FlatBucket.grad_params`), and the layout follows `requires_grad` changes the user
+# makes between steps (`Unit.follow_requires_grad`, at the root's forward). A change made on
+# one rank only (`blocks[0].attn.weight.requires_grad_(False)` on rank 1) gives the ranks
+# reductions of different sizes: gloo aborts the process ("Received data size doesn't match
+# expected size"), NCCL hangs or reads garbage.
+## A rank that changed nothing cannot know it should check, so the check is a collective every
+# rank joins at every backward. That is a collective FSDP2 does not issue, so it runs only in
+# debug mode, with the other misuse checks (engine/comm/debug.py): at the first backward hook of a
+# grad-enabled forward, before any reduction, one all-reduce of a CRC of every parameter's
+# flag over the model's ranks. Every rank reads the same result, so either all go on or all
+# raise; on a mismatch one more exchange (on the error path only) names the units, counts and
+# parameters that differ. Without debug mode the layout check at the first forward
+# (context.py) still runs once; docs/debugging.md says to turn the debug mode on when a run
+# that freezes parameters dies in a reduce-scatter.
+
+LABEL = "freeze check"
+
+
+def check_same_trainable(units: Sequence[Unit], groups: Sequence[Any]) -> None:
+    """Raise on every rank if the ranks' `requires_grad` flags differ ([Note: freeze check]).
+    `groups`: the model's agreement groups (mesh.agreement_groups)."""
+    if not (C.is_initialized() and groups and any(u.mesh.dp_size > 1 for u in units)):
+        return
+    flags = bytes(p.requires_grad for u in units for p in u.params)
+    fp = zlib.crc32(flags) & 0x7FFFFFFF
+    hi, neg_lo = C.max_over([fp, -fp], groups, label=LABEL)
+    if (hi, -neg_lo) != (fp, fp):
+        raise RuntimeError(_describe(units, groups[0], flags))
+
+
+def _describe(units: Sequence[Unit], group: Any, flags: bytes) -> str:
+    every = C.all_gather_bytes(flags, group)
+    names = C.group_ranks(group)
+    me, fp = C.rank(), zlib.crc32(flags)
+    others = sorted({zlib.crc32(b) for b in every} - {fp})
+    parts = []
+    at = 0
+    for u in units:
+        n = len(u.params)
+        rows = [b[at: at + n] for b in every]
+        at += n
+        if len(set(rows)) > 1:
+            parts.append(_unit_difference(u, rows, names))
+    where = "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more units"
+                                     if len(parts) > 3 else "")
+    return (f"rank {me}: ranks disagree on which parameters require grad (fingerprint "
+            f"{fp} here, {', '.join(map(str, others))} elsewhere); {where}. Freeze "
+            "or unfreeze parameters on every rank alike, between steps: a unit reduces "
+            "the gradients of the parameters that require grad, so ranks that disagree "
+            "would exchange buffers of different sizes")
+
+
+def _unit_difference(u: Unit, rows: list[bytes], names: list[int]) -> str:
+    """"unit 'blocks.1' (7 parameters): rank 1 trains 6, rank 0 trains 7; blocks.1.up.weight
+    requires grad on rank 0, not on rank 1" (`rows`: each rank's flags for `u`, from the
+    global ranks `names`)."""
+    by_count: dict[int, list[int]] = {}
+    for r, row in zip(names, rows):
+        by_count.setdefault(sum(row), []).append(r)
+    # The fewest ranks first: usually the one rank that changed something.
+    counts = sorted(by_count.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    trains = ", ".join(f"{_ranks(rs)} {'trains' if len(rs) == 1 else 'train'} {c}"
+                       for c, rs in counts)
+    params = []
+    for i, p in enumerate(u.params):
+        yes = [r for r, row in zip(names, rows) if row[i]]
+        if 0 < len(yes) < len(rows):
+            no = [r for r in names if r not in yes]
+            name = f"{u.name}.{p.fqn}" if u.name else p.fqn
+            params.append(f"{name} requires grad on {_ranks(yes)}, not on {_ranks(no)}")
+    more = f" (and {len(params) - 5} more)" if len(params) > 5 else ""
+    return (f"unit {u.label!r} ({len(u.params)} parameters): {trains}; "
+            + ", ".join(params[:5]) + more)
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
 
 
 class ModelContext:
@@ -244,3 +516,164 @@ def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
             f"layout fingerprint {fingerprint}); every rank must build the same model and call "
             "shard_model/fully_shard with the same arguments"
         )
+
+
+# -------------------- formerly ext/model_group.py --------------------
+# The ranks that run one model, and the model-level collectives over them.
+## [Note: model ranks] The engine's own checks run over a model's agreement groups ([Note:
+# model group] in mesh.py). So must the operations a user calls on the whole model: seeding
+# and replicated buffers in `materialize`, the agreements and the writer of checkpoints,
+# exports and pretrained loads, `full_state_dict(rank0_only=True)`,
+# `load_full_state_dict(from_rank0=True)`, the grad scaler's found-inf flag. On a model
+# sharded on a subgroup (ranks {1, 2} of 3, a pipeline stage, a 2 x 2 HYBRID_SHARD mesh on 4
+# of 5 ranks) the world's collectives waited for ranks that never run the model, or met
+# another model's collective there, and "rank 0" may not run the model at all.
+## `ModelGroup` is the model's ranks (ascending; the *first rank* is where a model-level
+# operation sends from or writes: global rank 0 when the model runs on every rank) and its
+# agreement groups. A model on every rank has groups [None]: each operation below is then
+# the one world collective it was before, at the same cost. On a subgroup that one of the
+# units' groups spans, it is that group's collective. On a product mesh no group spans the
+# model: the operation runs over each dim's group in turn (an agreement is a MAX, a broadcast
+# is relayed from the ranks that already hold the value, bytes gathered so far are gathered
+# again), which reaches every rank of the mesh. A model on one rank alone communicates not
+# at all.
+
+
+class ModelGroup:
+    """One model's ranks and agreement groups ([Note: model ranks])."""
+
+    def __init__(self, ranks: Iterable[int], groups: Iterable[ProcessGroup | None]) -> None:
+        self.ranks = tuple(sorted(ranks))
+        self.groups = list(groups)
+        # Per group, the global rank a broadcast from the first rank comes from there
+        # (None: no rank of that group holds it yet); made at the first multi-dim broadcast.
+        self._sources: list[int | None] | None = None
+
+    @classmethod
+    def world(cls) -> ModelGroup:
+        """Every rank (an unsharded model, or a call made before any model exists)."""
+        return cls(range(C.world_size()), [None])
+
+    @classmethod
+    def of_units(cls, units: Iterable[Any]) -> ModelGroup:
+        units = list(units)
+        if not units or not C.is_initialized():
+            return cls.world()
+        ranks = model_ranks(units)
+        groups = agreement_groups(units)
+        return cls(ranks, groups if len(ranks) > 1 else [])
+
+    @property
+    def first(self) -> int:
+        """The global rank model-level operations send from and write on."""
+        return self.ranks[0]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return C.rank() == self.first
+
+    @property
+    def index(self) -> int:
+        """This rank's position among the model's ranks (0 on the first rank)."""
+        return self.ranks.index(C.rank())
+
+    def describe(self) -> str:
+        """"rank 0" on every rank, "rank 1 (the first of ranks [1, 2])" on a subgroup."""
+        if self.ranks == tuple(range(C.world_size())):
+            return f"rank {self.first}"
+        return f"rank {self.first} (the first of the model's ranks {list(self.ranks)})"
+
+    # --- collectives over the model's ranks ----------------------------------------------
+
+    def agree(self, flag: bool, label: str = "") -> bool:
+        """True on every rank of the model iff `flag` is True on all of them."""
+        if len(self.groups) == 1:
+            return C.agree(flag, self.groups[0], label=label)
+        return C.max_over([0 if flag else 1], self.groups, label=label)[0] == 0
+
+    def max_(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
+        """The elementwise MAX of `tensor` over the model's ranks, in place (over each group
+        in turn on a product mesh: a repeated rank changes nothing under MAX)."""
+        for g in self.groups:
+            C.all_reduce(tensor, g, op="max", label=label)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, label: str = "") -> torch.Tensor:
+        """The first rank's `tensor`, in place on every rank of the model."""
+        if len(self.groups) == 1:
+            return C.broadcast(tensor, self.first, self.groups[0], label=label)
+        for g, src in zip(self.groups, self._relay()):
+            if src is not None:
+                C.broadcast(tensor, src, g, label=label)
+        return tensor
+
+    def _relay(self) -> list[int | None]:
+        """Each group's source for a broadcast from the first rank through the groups in
+        turn: its lowest rank holding the value by then (one tiny all-reduce per group,
+        once per ModelGroup: every broadcast of this model follows the same path)."""
+        if self._sources is None:
+            holds = C.rank() == self.first
+            sources: list[int | None] = []
+            for g in self.groups:
+                n = C.world_size(g)
+                lowest = -C.max_over([-C.rank(g) if holds else -n], [g],
+                                     label="model broadcast path")[0]
+                sources.append(C.global_rank_of(g, lowest) if lowest < n else None)
+                holds = holds or lowest < n
+            self._sources = sources
+        return self._sources
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every model rank's `data`, in the order of `ranks`, on every rank of the model."""
+        if not self.groups:
+            return [data]
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            got = dict(zip(C.group_ranks(g), C.all_gather_bytes(data, g)))
+            return [got[r] for r in self.ranks]
+        have = {C.rank(): data}
+        for g in self.groups:  # what each rank holds so far, gathered over the next dim
+            for blob in C.all_gather_bytes(_pack(have), g):
+                have.update(_unpack(blob))
+        return [have[r] for r in self.ranks]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every model rank's `data` (order of `ranks`) on the first rank; [] elsewhere."""
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            dst = C.group_ranks(g).index(self.first)
+            got = C.gather_bytes(data, dst=dst, group=g)
+            if not got:
+                return []
+            by_rank = dict(zip(C.group_ranks(g), got))
+            return [by_rank[r] for r in self.ranks]
+        every = self.all_gather_bytes(data)
+        return every if self.is_first else []
+
+
+def model_group(model: object) -> ModelGroup:
+    """The ModelGroup of a sharded `model`; the world for anything else (a plain module, a
+    wrong argument that a check will refuse next: every rank reaches that check)."""
+    if not isinstance(model, nn.Module):
+        return ModelGroup.world()
+    return ModelGroup.of_units(units_of(model))
+
+
+def _pack(items: dict[int, bytes]) -> bytes:
+    """{global rank: bytes} as (rank, length, bytes) records: never pickle."""
+    return b"".join(struct.pack("<qq", r, len(b)) + b for r, b in sorted(items.items()))
+
+
+def _unpack(blob: bytes) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    at = 0
+    while at < len(blob):
+        r, n = struct.unpack_from("<qq", blob, at)
+        at += 16
+        out[r] = blob[at: at + n]
+        at += n
+    return out

@@ -7,14 +7,158 @@ construction, so a bad knob fails before any process group or collective is touc
 from __future__ import annotations
 
 import enum
+import math
+import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
-from .checks import check_bool, check_int
+from ..comm import collectives as C
+from ..comm.transport import Transport, transport_for
+from . import dtensor as DT
+
+# -------------------- formerly core/checks.py --------------------
+# Argument checks shared by the public API: a bad value raises `ValueError` up front.
+## Every check names the parameter, shows the offending value (`repr`) and says what is
+# allowed. They are pure and local (no collectives), so a function calls them first and a
+# mistake fails on every rank before any process group is touched. `bool` is refused where
+# an int or a number is meant: `True` passing as 1 hides a swapped argument.
+
+
+def _fail(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is not allowed: {allowed}")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, value, "must be True or False")
+    return value
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, value, "must be an int" + _range(minimum, maximum))
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise _fail(name, value, "must be an int" + _range(minimum, maximum))
+    return value
+
+
+def _range(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def check_number(name: str, value: Any, *, positive: bool = False, finite: bool = True,
+                 above: float | None = None, below: float | None = None) -> float:
+    """A real number (not a bool), finite unless `finite=False` (NaN is never allowed)."""
+    bounds = []
+    if positive:
+        bounds.append("> 0")
+    if above is not None:
+        bounds.append(f"> {above}")
+    if below is not None:
+        bounds.append(f"< {below}")
+    what = "must be a " + ("finite " if finite else "") + "number" + (
+        f" {' and '.join(bounds)}" if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(name, value, what)
+    v = float(value)
+    if math.isnan(v) or (finite and math.isinf(v)):
+        raise _fail(name, value, what)
+    if (positive and v <= 0) or (above is not None and v <= above) or (
+            below is not None and v >= below):
+        raise _fail(name, value, what)
+    return v
+
+
+def check_module(name: str, value: Any) -> nn.Module:
+    if not isinstance(value, nn.Module):
+        raise _fail(name, value if _short(value) else type(value).__name__,
+                    "must be a torch.nn.Module")
+    return value
+
+
+def _short(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def check_path(name: str, value: Any) -> str:
+    """A non-empty str or os.PathLike, as a str."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise _fail(name, value, "must be a non-empty str or os.PathLike")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path:
+        raise _fail(name, value, "must be a non-empty str or os.PathLike")
+    return path
+
+
+def check_params(name: str, value: Any) -> list[nn.Parameter]:
+    """None or an iterable of nn.Parameter (a single Parameter counts as one)."""
+    if value is None:
+        return []
+    if isinstance(value, nn.Parameter):
+        return [value]
+    allowed = "must be None or an iterable of torch.nn.Parameter (e.g. module.parameters())"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _fail(name, value, allowed)
+    out = list(value)
+    bad = [p for p in out if not isinstance(p, nn.Parameter)]
+    if bad:
+        raise ValueError(f"{name} holds {bad[0]!r}, which is not allowed: {allowed}")
+    return out
+
+
+def check_shard_placement(module: nn.Module, fn: Any, ignored: Iterable[nn.Parameter]
+                          ) -> dict[int, int]:
+    """FSDP2's `shard_placement_fn` (param -> Shard(dim) or None), asked for every parameter
+    the unit will own: {id(param): dim >= 0} for those it placed (None: the default,
+    [Note: balanced shards] in layout.py). A negative dim counts from the end, as in FSDP2;
+    any valid dim is allowed, even one the group does not divide (padded like dim 0)."""
+    if fn is None:
+        return {}
+    if not callable(fn):
+        raise _fail("shard_placement_fn", fn, "must be None or a callable taking a parameter "
+                    "and returning torch's Shard(dim) or None")
+    from torch.distributed.tensor import Shard
+
+    skip = {id(p) for p in ignored}
+    dims: dict[int, int] = {}
+    for name, p in module.named_parameters():
+        if id(p) in skip or hasattr(p, "_sw_param"):
+            continue  # ignored, or already owned by a sharded child
+        got = fn(p)
+        if got is None:
+            continue
+        if type(got) is not Shard:
+            raise ValueError(
+                f"shard_placement_fn returned {got!r} for parameter {name!r}: it must return "
+                "torch's Shard(dim) or None (a parameter on a mesh of its own, FSDP2's "
+                "ShardPlacementResult: give its module a fully_shard call with that mesh)")
+        nd = max(p.dim(), 1)
+        if not -nd <= got.dim < nd:
+            raise ValueError(f"shard_placement_fn returned Shard({got.dim}) for parameter "
+                             f"{name!r} of shape {tuple(p.shape)}: dim out of range "
+                             f"[{-nd}, {nd - 1}]")
+        dim = got.dim % nd
+        if dim != 0 and (hasattr(p, "fsdp_pre_all_gather") or type(p.data) not in (
+                torch.Tensor,)):
+            raise NotImplementedError(
+                f"shard_placement_fn returned Shard({got.dim}) for parameter {name!r}, a "
+                f"{type(p.data).__name__}: tensor subclasses and all-gather extensions are "
+                "sharded on dim 0 only; return Shard(0) or None for it")
+        dims[id(p)] = dim
+    return dims
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -86,8 +230,8 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-            object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), name))
         check_bool("cast_forward_inputs", self.cast_forward_inputs)
 
     @classmethod
@@ -136,8 +280,8 @@ class CPUOffloadPolicy:
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
-        for field in ("params", "pin_memory"):
-            check_bool(f"CPUOffloadPolicy.{field}", getattr(self, field))
+        for name in ("params", "pin_memory"):
+            check_bool(f"CPUOffloadPolicy.{name}", getattr(self, name))
 
     @classmethod
     def from_torch(cls, value: Any) -> Any:
@@ -256,3 +400,161 @@ def resolve_wrap_policy(policy: WrapPolicyLike, model: nn.Module) -> WrapPolicy 
     if callable(policy):
         return policy
     raise ValueError(f"auto_wrap_policy={policy!r} must be a string, a callable or None")
+
+
+# -------------------- formerly core/mesh.py --------------------
+# The process groups a unit communicates over, from what the user passed.
+## `mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
+# shard) is HYBRID_SHARD. Each mesh chooses its transport once (transport.py).
+
+
+@dataclass
+class MeshInfo:
+    """The process groups a unit communicates over."""
+
+    shard_group: ProcessGroup | None
+    shard_rank: int
+    shard_size: int
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    device: torch.device
+    global_rank: int = 0
+    # The DeviceMesh the sharded parameters' DTensors live on (None: they stay plain).
+    device_mesh: DeviceMesh | None = None
+    # How the shard group moves flat buffers: decided once, when the mesh is made.
+    transport: Transport = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.transport = (transport_for(self.shard_group) if self.shard_size > 1
+                          else Transport(None))
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: gradients are averaged over all of them."""
+        return self.shard_size * self.replicate_size
+
+
+def default_device() -> torch.device:
+    if C.is_initialized() and C.backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_info_for(mesh: object | None) -> MeshInfo:
+    """MeshInfo from None (the whole world), a 1-D DeviceMesh, or a 2-D one (replicate, shard)."""
+    device = default_device()
+    grank = C.rank()
+    if isinstance(mesh, MeshInfo):
+        return mesh
+    if mesh is None:
+        # A one-rank world has a mesh too (FSDP2's parameters are DTensors there as well:
+        # Lightning's ModelParallelStrategy finds a distributed model by them).
+        dmesh = DT.world_mesh(device.type) if C.is_initialized() else None
+        return MeshInfo(None, C.rank(), C.world_size(), None, 1, device, grank, dmesh)
+    ndim = getattr(mesh, "ndim", None)
+    if not isinstance(mesh, DeviceMesh):
+        ndim = None  # not a DeviceMesh, whatever its ndim says
+    else:
+        device = _device_of(mesh)
+    if ndim == 1:
+        g = mesh.get_group()  # type: ignore[attr-defined]
+        return MeshInfo(g, C.rank(g), C.world_size(g), None, 1, device, grank, mesh)  # type: ignore[arg-type]
+    if ndim == 2:
+        rep, shard = mesh.get_group(0), mesh.get_group(1)  # type: ignore[attr-defined]
+        return MeshInfo(shard, C.rank(shard), C.world_size(shard), rep, C.world_size(rep),
+                        device, grank, mesh)  # type: ignore[arg-type]
+    raise ValueError(f"mesh={mesh!r} must be None or a 1-D or 2-D torch DeviceMesh")
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    """The units' device for `mesh`: a CUDA mesh over gloo (two ranks sharing one GPU, where
+    NCCL refuses duplicate devices) puts them on the GPU, as FSDP2 does; else the backend's."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return default_device()
+
+
+def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object | None:
+    """What shard_model's `sharding_strategy` makes of `mesh`: a MeshInfo, or the mesh."""
+    world = C.world_size()
+    if strategy is ShardingStrategy.NO_SHARD:
+        if mesh is None:
+            return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
+        # The replicas are the mesh's ranks: ignoring it all-reduced over the world, which
+        # hung a model on a subgroup ([Note: model ranks] in model_group.py).
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+            raise ValueError(f"NO_SHARD takes mesh=None (every rank) or a 1-D DeviceMesh of "
+                             f"the ranks that replicate the model, got {mesh!r}")
+        g = mesh.get_group()
+        return MeshInfo(None, 0, 1, g, C.world_size(g), _device_of(mesh), C.rank())
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if mesh is not None:
+            if getattr(mesh, "ndim", None) != 2:
+                raise ValueError(f"HYBRID_SHARD needs a 2-D DeviceMesh (replicate, shard), "
+                                 f"got {mesh!r}")
+            return mesh
+        local = C.env_int("LOCAL_WORLD_SIZE", world)
+        if local < 1 or world % local:
+            raise ValueError(f"HYBRID_SHARD: LOCAL_WORLD_SIZE={local} does not divide the "
+                             f"world size {world}")
+        shard_g, rep_g = C.new_groups_2d(world // local, local)
+        dev = default_device()
+        dmesh = DT.hybrid_mesh(rep_g, shard_g, world // local, local, dev.type)
+        return MeshInfo(shard_g, C.rank(shard_g), local, rep_g, world // local, dev,
+                        C.rank(), dmesh)
+    if mesh is not None and getattr(mesh, "ndim", None) == 2:
+        raise ValueError(f"{strategy.value} takes a 1-D mesh; a 2-D mesh means HYBRID_SHARD")
+    return mesh
+
+
+def agreement_groups(units: Iterable[Any]) -> list[ProcessGroup | None]:
+    """The groups a model's engine-internal agreements run over ([Note: model group]).
+
+    [Note: model group] The checks that keep a model's ranks in step (the layout check, the
+    freeze check, the stale-gathered-parameter decision) must run over the ranks that run
+    the model and no others: over the world, a model sharded on a subgroup (a pipeline
+    stage's dp mesh, ranks {0, 1} of 3) waited for ranks that never run it, or met another
+    model's check there. The ranks are the union of the units' meshes (under TP the (dp, tp)
+    mesh; a group of None is the world). When they are the whole world this is [None], one
+    all-reduce as before; when one of the units' groups holds exactly them, that group; else
+    the groups of the mesh's dims in a fixed order (`collectives.max_over` reduces over each
+    in turn, which reaches every rank of a product mesh). [] when no other rank runs it.
+    """
+    ranks, groups = _span(units)
+    if ranks >= set(range(C.world_size())):
+        return [None]
+    exact = [g for g in groups if set(C.group_ranks(g)) == ranks]
+    return exact[:1] or list(groups)
+
+
+def model_ranks(units: Iterable[Any]) -> list[int]:
+    """The global ranks that run the model of `units`, ascending (its first rank first):
+    where model-level operations (checkpoints, full state dicts) send from or write on."""
+    ranks, _ = _span(units)
+    return sorted(ranks | {C.rank()})
+
+
+def _span(units: Iterable[Any]) -> tuple[set[int], list[ProcessGroup | None]]:
+    """(the global ranks of the units' meshes, the distinct groups of their dims); the
+    whole world and [None] as soon as one dim's group is the world."""
+    ranks: set[int] = set()
+    groups: list[ProcessGroup | None] = []
+    for u in units:
+        m: MeshInfo = u.mesh
+        tp = next((p.tp.ctx for p in u.params if p.tp is not None), None)
+        dmesh = tp.spmd_mesh if tp is not None else m.device_mesh
+        if dmesh is not None:
+            ranks.update(int(r) for r in dmesh.mesh.flatten().tolist())
+        dims = [(m.replicate_group, m.replicate_size), (m.shard_group, m.shard_size)]
+        if tp is not None and tp.tp_mesh is not None:
+            dims.append((tp.tp_mesh.get_group(), tp.tp_size))
+        for g, n in dims:
+            if n <= 1:
+                continue
+            if g is None:
+                return set(range(C.world_size())), [None]  # a group of the whole world
+            if dmesh is None:
+                ranks.update(C.group_ranks(g))
+            if all(g is not h for h in groups):
+                groups.append(g)
+    return ranks, groups

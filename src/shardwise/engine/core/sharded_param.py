@@ -37,18 +37,355 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import dtensor as DT
-from .extension import Extension, is_subclass
-from .layout import from_rows, to_rows
-from .param_grads import ParamGrads
-from .param_materialize import Materialize
-from .param_subclass import SubclassShard
-from .param_unsharded import UnshardedStorage
-from .tp import TPContext, TPParam
+from .dtensor import TPContext, TPParam
+from .extension import Extension, has_hooks, is_subclass, shard_mesh_of
+from .layout import from_rows, full_into_rows, rows_into_full, to_rows
 
 if TYPE_CHECKING:
     from .unit import Unit
+
+
+# -------------------- formerly core/param_unsharded.py --------------------
+# One parameter's unsharded storage: the buffer the unsharded parameter lives in, allocated
+# between unshard and reshard, and filled from the all-gather's output ([Note: layout] in
+# sharded_param.py).
+## A mixin of `ShardedParam` (which sets the attributes declared below and calls
+# `_build_unsharded` each time it builds its Parameter objects).
+
+
+class UnshardedStorage:
+    direct: bool
+    subclass: bool
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+    tp: TPParam | None
+    ext: Extension | None
+    device: torch.device
+    compute_dtype: torch.dtype
+    requires_grad: bool
+    orig_shape: torch.Size
+    shard_dim: int
+    shard_size: int
+    chunk_rows: int
+    chunk_numel: int
+    dim0: int
+    rest: tuple[int, ...]
+    row_start: int
+    row_end: int
+
+    def _build_unsharded(self, padded: torch.Tensor, meta: bool) -> None:
+        """Create the unsharded Parameter and the storage behind it (freed by the caller)."""
+        if self.subclass:
+            # The unsharded parameter comes from the first gather's post hook; until then
+            # an empty stand-in keeps the flags (requires_grad, .grad = None) meaningful.
+            self._full_padded = None
+            self.unsharded = nn.Parameter(torch.empty(0, dtype=self.compute_dtype,
+                                                      device="meta" if meta else self.device),
+                                          requires_grad=self.requires_grad)
+        elif self.direct:
+            self._full_padded = padded
+            self.unsharded = self.sharded
+        else:
+            # Dim 0: the padded rows the gather writes into; another dim: the parameter's
+            # own contiguous shape, copied into from the gather output ([Note: layout]).
+            shape = ((self.shard_size * self.chunk_rows, *self.rest) if self.shard_dim == 0
+                     else self.orig_shape)
+            full = torch.empty(shape, dtype=self.compute_dtype,
+                               device="meta" if meta else self.device)
+            self._full_padded = full
+            view = full[: self.dim0].view(self.orig_shape) if self.shard_dim == 0 else full
+            self.unsharded = nn.Parameter(
+                view if self.tp is None else self.tp.compute_face(view),
+                requires_grad=self.requires_grad,
+            )
+            self.unsharded._sw_param = self  # type: ignore[attr-defined]
+        # Kept, not remade per gather: views of a tensor follow its storage through
+        # `resize_`, and the storage object is the same one each time.
+        full = self._full_padded
+        self._storage = None if meta or full is None else full.untyped_storage()
+        self._nbytes = 0 if full is None else full.numel() * full.element_size()
+        # (S, C * row_numel) rank-major rows of the unsharded buffer: dim 0 only.
+        self._rows = (None if full is None or self.shard_dim != 0
+                      else full.data.view(self.shard_size, self.chunk_numel))
+
+    @property
+    def full_padded(self) -> torch.Tensor:
+        """The buffer behind the unsharded parameter: (S*C, *rest) padded rows on dim 0,
+        the original shape (contiguous, no padding) on another dim ([Note: layout])."""
+        return self._full_padded
+
+    # --- unsharded storage: exists only between unshard and reshard -----------------
+
+    def alloc_unsharded(self) -> None:
+        """Plain parameters' unsharded storage back (extensions: extension.py does it)."""
+        storage = self._storage
+        if self.direct or storage is None:
+            return
+        if storage.size() != self._nbytes:
+            storage.resize_(self._nbytes)
+
+    def free_unsharded(self) -> None:
+        if self.ext is not None:
+            self.ext.free()
+        storage = self._storage
+        if self.direct or storage is None:
+            return
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    # --- the all-gather's output into the unsharded parameter, and back -------------
+
+    def unsharded_rows_view(self) -> torch.Tensor | None:
+        """(S, C * row_numel) view of the unsharded buffer (row r is rank r's chunk) for a
+        dim-0 parameter; None on another dim (`copy_out` / `rows_into` copy instead)."""
+        assert self._full_padded is not None, "a subclass parameter has no unsharded buffer"
+        return self._rows
+
+    def copy_out(self, rows: torch.Tensor, non_blocking: bool = False) -> None:
+        """Write gathered rank-major `rows` ((S, C * row_numel)) into the unsharded
+        parameter (`.data`: no autograd version bump, see Unit.wait_unshard)."""
+        if self._rows is not None:
+            self._rows.copy_(rows, non_blocking=non_blocking)
+        else:
+            rows_into_full(rows, self._full_padded.data, self.shard_dim, self.chunk_rows,
+                           non_blocking)
+
+    def rows_into(self, dst: torch.Tensor, first_rank: int) -> None:
+        """Copy ranks `first_rank ..`'s rows of the unsharded parameter into `dst`
+        ((R, C * row_numel), padding rows zero as the gather had them): what hpZ keeps."""
+        if self._rows is not None:
+            dst.copy_(self._rows[first_rank: first_rank + dst.shape[0]])
+        else:
+            full_into_rows(self._full_padded.data, dst, self.shard_dim, self.chunk_rows,
+                           first_rank)
+
+    def gathered_local_rows(self) -> torch.Tensor:
+        """This rank's rows of the unsharded parameter, shaped like `local` (a view)."""
+        return self.to_rows(self._full_padded.data)[self.row_start: self.row_end]
+
+
+# -------------------- formerly core/param_grads.py --------------------
+# One parameter's gradients: this rank's unsharded gradient before its reduction, and the
+# sharded gradient after it, as plain rows ([Note: layout] in sharded_param.py).
+## A mixin of `ShardedParam` (which sets the attributes declared below, and whose `to_rows` /
+# `from_rows` convert between rows and the face's layout).
+
+
+class ParamGrads:
+    direct: bool
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+    spec: DTensorSpec | None
+    tp: TPParam | None
+    acc_grad: torch.Tensor | None
+    _handed: tuple[weakref.ref[torch.Tensor], int] | None
+
+    # --- this rank's gradient before reduction -------------------------------------------
+
+    def _direct_grad_is_new(self, g: torch.Tensor | None) -> bool:
+        h = self._handed
+        return g is not None and not (h is not None and h[0]() is g and g._version == h[1])
+
+    def has_local_grad(self) -> bool:
+        """Whether `local_grad()` would return a gradient, without folding or moving any."""
+        if self.direct:
+            return self._direct_grad_is_new(self.sharded.grad)
+        return self.unsharded.grad is not None or self.acc_grad is not None
+
+    def local_grad(self) -> torch.Tensor | None:
+        """This rank's full-shape gradient not yet handed to a reduction (None if none);
+        direct, the whole gradient it holds.
+
+        Not a predicate: gradients accumulated under no_sync are folded into `acc_grad`
+        here (see `has_local_grad` for the question alone).
+        """
+        if self.direct:
+            # All of it, even unchanged since the last reduction: that reduction replaced
+            # the gradient with the mean on every rank, so what a rank accumulated since is
+            # on top of it (a rank that did not use the parameter again still holds its
+            # share). Sending zeros instead lost it (NO_SHARD without zero_grad, or a unit
+            # reduced twice in one backward).
+            return self.sharded.grad
+        g = self.unsharded_grad()
+        if self.acc_grad is None:
+            return g
+        if g is not None:
+            with torch.no_grad():
+                self.acc_grad.add_(g)
+            self.unsharded.grad = None
+        return self.acc_grad
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded parameter's gradient as a plain tensor (TP: its local part)."""
+        g = self.unsharded.grad
+        if g is None or self.tp is None:
+            return g
+        return self.tp.grad_local(g)
+
+    def drop_local_grad(self) -> None:
+        """The local gradient was packed for reduction: free it (direct: remember it)."""
+        if self.direct:
+            self.mark_reduced()
+        else:
+            self.unsharded.grad = None
+            self.acc_grad = None
+
+    def mark_reduced(self) -> None:
+        g = self.sharded.grad
+        # A weak reference: the reduced gradient is the user's to free (zero_grad); holding it
+        # here kept last step's gradient alive until the next reduction (NO_SHARD).
+        self._handed = (weakref.ref(g), g._version) if g is not None else None
+
+    # --- the sharded gradient, as plain local rows ----------------------------------
+
+    @property
+    def shard_grad(self) -> torch.Tensor | None:
+        """This rank's rows of the sharded gradient (a plain tensor, a view), or None."""
+        g = self.sharded.grad
+        return None if g is None else self.to_rows(DT.local_of(g))
+
+    def set_shard_grad(self, rows: torch.Tensor) -> None:
+        """Make `rows` (plain, shaped like `local`) the sharded gradient."""
+        face = self.from_rows(rows)
+        self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
+
+
+# -------------------- formerly core/param_subclass.py --------------------
+# One parameter that is a tensor subclass with FSDP2's all-gather hooks (NF4, float8
+# weights): its shard made by the subclass's own ops, the hooks taken up as an `Extension`,
+# and the unsharded parameter the hooks make ([Note: all-gather extensions] in extension.py).
+## A mixin of `ShardedParam` (which sets the attributes declared below, and whose `_build`
+# makes the Parameter objects around a new shard).
+
+
+class SubclassShard:
+    fqn: str
+    direct: bool
+    subclass: bool
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+    ext: Extension | None
+    _device_mesh: DeviceMesh | None
+    host_device: torch.device
+    shard_dim: int
+    shard_rank: int
+    shard_size: int
+    chunk_rows: int
+    rest: tuple[int, ...]
+    local_rows: int
+
+    def _subclass_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's padded chunk of a subclass parameter, made by the subclass's own ops
+        (FSDP2's: new_zeros of the padded size, this rank's torch.chunk copied into its
+        first rows), so it stays the subclass with this rank's share of the inner data."""
+        data = param.detach()
+        chunks = torch.chunk(data, self.shard_size, dim=0)
+        with torch.no_grad():
+            padded = data.new_zeros((self.chunk_rows, *self.rest))
+            if self.local_rows > 0:
+                padded.narrow(0, 0, self.local_rows).copy_(chunks[self.shard_rank])
+        if self.host_device != padded.device:
+            padded = padded.to(self.host_device)
+        return padded
+
+    def refresh_extension(self) -> bool:
+        """Take up FSDP2's all-gather hooks on the shard (a subclass's, or patched onto it
+        after sharding, FSDP2's monkey-patch recipe); True when that changed."""
+        hooked = has_hooks(DT.local_of(self.sharded))
+        if hooked == (self.ext is not None):
+            return False
+        if not hooked:
+            self.ext = None
+            return True
+        if self.shard_dim != 0:
+            raise NotImplementedError(
+                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) on a "
+                f"parameter sharded on dim {self.shard_dim}: shardwise runs extensions on "
+                "dim-0 shards only; shard it with Shard(0)")
+        if self.direct or self._device_mesh is None:
+            raise NotImplementedError(
+                f"{self.fqn}: FSDP2's all-gather extension (fsdp_pre_all_gather) runs on "
+                "parameters sharded on a DeviceMesh; NO_SHARD (sharding_strategy) has none: "
+                "use fully_shard or FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD")
+        self.ext = Extension(self, shard_mesh_of(self._device_mesh))
+        return True
+
+    def set_unsharded(self, param: nn.Parameter) -> None:
+        """The unsharded parameter an extension's first post hook made."""
+        param._sw_param = self
+        self.unsharded = param
+
+    def adopt_subclass_shard(self, padded: torch.Tensor) -> None:
+        """Replace this rank's shard (meta or plain) with `padded`, a tensor subclass with
+        FSDP2's all-gather hooks and the padded shard's shape: a frozen base quantized as it
+        loads (checkpoint/quantize.py). New Parameter objects, as in `materialize`; the
+        owner unit must rebuild its layout (`Unit.set_params`) before the next gather."""
+        assert tuple(padded.shape) == (self.chunk_rows, *self.rest) and is_subclass(padded)
+        self.subclass = True
+        self._build(padded, meta=False)
+
+
+# -------------------- formerly core/param_materialize.py --------------------
+# One parameter's shard made real: allocated for a parameter sharded on the meta device,
+# or written from a full tensor (meta-device init, loading; ext/materialize.py, checkpoint/).
+## A mixin of `ShardedParam` (which sets the attributes declared below, and whose `_build`
+# makes new Parameter objects around the new shard).
+
+
+class Materialize:
+    fqn: str
+    tp: TPParam | None
+    orig_dtype: torch.dtype
+    host_device: torch.device
+    pin_memory: bool
+    chunk_rows: int
+    rest: tuple[int, ...]
+    local: torch.Tensor
+    local_rows: int
+    is_meta: bool
+    global_shape: tuple[int, ...]
+
+    def new_padded_shard(self, *, zero_valid_rows: bool = True) -> torch.Tensor:
+        """A (C, *rest) chunk for this rank, where the real shard will live: padding rows
+        zero, the valid rows too unless the caller writes all of them (`zero_valid_rows=
+        False`: zeroing first would touch every page twice, most of a large load's time)."""
+        shape = (self.chunk_rows, *self.rest)
+        if zero_valid_rows:
+            return torch.zeros(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded = torch.empty(shape, dtype=self.orig_dtype, device=self.host_device)
+        padded[self.local_rows :].zero_()
+        return padded
+
+    def materialize(self, padded: torch.Tensor | None = None) -> None:
+        """Allocate this rank's shard for a meta parameter: zeros, or `padded` (made by
+        `new_padded_shard` and filled, its padding rows zero) when given.
+
+        New Parameter objects replace the meta ones on every module that refers to this
+        parameter (a meta tensor's storage cannot be swapped in place), so build the
+        optimizer after materializing.
+        """
+        if not self.is_meta:
+            return
+        if padded is None:
+            padded = self.new_padded_shard()
+        if self.pin_memory:
+            padded = padded.pin_memory()
+        self._build(padded, meta=False)
+
+    def set_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of the full tensor `full` into the shard."""
+        if tuple(full.shape) != self.global_shape:
+            raise ValueError(
+                f"{self.fqn}: got shape {tuple(full.shape)}, expected {self.global_shape}"
+            )
+        if self.tp is not None:
+            full = self.tp.local_piece(full)
+        self.materialize()
+        with torch.no_grad():
+            self.local.copy_(self.local_slice(full))
 
 
 @dataclass

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..core.checks import check_bool, check_module, check_number
-from ..core.inspect import sharded_params, units_of
-from .model_group import ModelGroup
+from ..core.context import ModelGroup, sharded_params, units_of
+from ..core.policies import check_bool, check_module, check_number
 
 
 def clip_grad_norm_(

@@ -13,10 +13,8 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..core import dtensor as DT
-from ..core.checks import check_bool, check_int, check_module, check_number
-from ..core.inspect import sharded_params, units_of
-from ..core.policies import dtype_name
-from .model_group import ModelGroup
+from ..core.context import ModelGroup, sharded_params, units_of
+from ..core.policies import check_bool, check_int, check_module, check_number, dtype_name
 
 
 def _names(dts: Iterable[torch.dtype]) -> str:
