@@ -14,8 +14,11 @@ its temporary folder stay out of sight; see [Note: worker signals].
 and every worker. A worker that is still importing torch turns it into a KeyboardInterrupt
 traceback, and torchelastic forwards the same SIGINT to workers on its way out. So workers
 ignore SIGINT from their first line (`SHARDWISE_WORKER` makes `shardwise/__init__.py` do
-it before torch is imported) and the launcher alone decides: it turns SIGINT into a SIGTERM
-shutdown of the workers (default action: a silent exit), then raises `Interrupted`. A
+it before torch is imported) and the launcher alone decides: it turns SIGINT into a SIGKILL
+of the workers (stop now, as SIGTERM's default action did before `shardwise train` made
+SIGTERM a request to checkpoint and stop), then raises `Interrupted`. SIGTERM, SIGHUP,
+SIGQUIT and the caller's `stop_signals` are passed on to the workers as they came, and the
+workers get `grace_s` to act on them (train/preempt.py) before torchelastic kills them. A
 worker whose launcher dies outright gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
 """
 
@@ -83,11 +86,15 @@ def workers_ignore_sigint() -> Iterator[None]:
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
-           expected: dict[type[BaseException], int] | None = None) -> list[Any]:
+           expected: dict[type[BaseException], int] | None = None,
+           stop_signals: tuple[str, ...] = (), grace_s: int = 10) -> list[Any]:
     """Run `fn(*args)` on `nproc` local worker processes; return their values by rank.
 
     expected: exception types a worker raises on purpose -> the exit status they mean; such
     an error ends the launch as a one-line `WorkerFailure` (no traceback).
+    stop_signals: signal names besides SIGTERM, SIGHUP and SIGQUIT that the launcher passes
+    on to the workers (then raises `Interrupted`); grace_s: how long workers may take to end
+    after such a signal before they are killed.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be a positive integer")
@@ -100,10 +107,11 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     tmp = tempfile.mkdtemp(prefix="shardwise-launch-")
     options: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    handled = ",".join(("SIGTERM", "SIGHUP", "SIGQUIT", *stop_signals))
     if "signals_to_handle" in names:  # torch >= 2.8; older versions read the variable below
-        options["signals_to_handle"] = "SIGTERM,SIGHUP,SIGQUIT"
+        options["signals_to_handle"] = handled
     if "shutdown_timeout" in names:
-        options["shutdown_timeout"] = 10
+        options["shutdown_timeout"] = grace_s
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
@@ -112,7 +120,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), **options)
     sigint = _Sigint()
     env_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
     try:
         with _quiet_torchelastic(max_restarts), workers_ignore_sigint(), sigint:
             results = elastic_launch(config, _run_then_finish)(tmp, expected or {}, fn, *args)
@@ -132,8 +140,9 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
 
 
 class _Sigint:
-    """While active (main thread only), SIGINT asks torchelastic to stop the workers with
-    SIGTERM (they ignore SIGINT) and is remembered, so the caller can report SIGINT."""
+    """While active (main thread only), SIGINT asks torchelastic to stop the workers at once
+    with SIGKILL (they ignore SIGINT, and take SIGTERM as a request to checkpoint first) and
+    is remembered, so the caller can report SIGINT."""
 
     def __init__(self) -> None:
         self.received = 0
@@ -145,7 +154,7 @@ class _Sigint:
         if self.received:
             return  # a second Ctrl-C while the workers are being stopped
         self.received = signum
-        raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.SIGTERM)
+        raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.SIGKILL)
 
     def __enter__(self) -> _Sigint:
         if threading.current_thread() is threading.main_thread():

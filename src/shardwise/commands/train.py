@@ -7,8 +7,15 @@ an existing torchrun (single- or multi-node) the command just runs on its rank. 
 How it ends: 0; 2 with one `error:` line for a mistake in the config, the data, a
 checkpoint or a resume, whichever process found it (checked before any worker starts where
 possible); 3 on a non-finite step; 1 with the failing rank's traceback for a crash; 130
-(Ctrl-C) or 143 (SIGTERM) with one line saying where the run stopped and how to continue.
-A run that ends before its first step leaves no run folder behind.
+(Ctrl-C) with one line saying where the run stopped and how to continue; 143 (SIGTERM, or
+128 + checkpoint.stop_signal) after every rank finished its step and a checkpoint was
+written (train/preempt.py). A run that ends before its first step leaves no run folder
+behind.
+
+Ranks started without this command's launcher (torchrun, Slurm's srun, Ray) stop together
+([Note: stopping together] in engine/comm/process_group.py): the rank that stops first says
+why in the group's store and leaves without waiting; every other rank's next collective fails
+at once, and each rank prints one line naming the first rank and its cause.
 """
 
 from __future__ import annotations
@@ -117,11 +124,14 @@ def worker(cfg: C.Config) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ..train.faults import FaultInjector
     from ..train.guard import EXIT_NONFINITE, NonFiniteError
+    from ..train.preempt import StopRequest
     from ..train.trainer import run
 
     try:
-        # The e2e fault tests ask through SHARDWISE_TEST_* (None otherwise).
-        return run(cfg, ConsoleReporter(), faults=FaultInjector.from_env())
+        # SIGTERM (and checkpoint.stop_signal) now ask for a checkpoint and a stop after the
+        # step; the e2e fault tests ask through SHARDWISE_TEST_* (None otherwise).
+        with StopRequest(cfg.checkpoint.stop_signal) as stop:
+            return run(cfg, ConsoleReporter(), faults=FaultInjector.from_env(), stop=stop)
     except NonFiniteError as e:
         # Raised on every rank alike: a clean end with an exit status, not a traceback per
         # rank (and, with --nproc, not a restart that would only diverge again).
@@ -159,27 +169,75 @@ def _program() -> str:
     return "shardwise"
 
 
-def stopped_line(cfg: C.Config, run: Path, argv: list[str] | tuple[str, ...] = ()) -> str:
-    """Where an interrupted run stands, and the command that continues it."""
+def _launch_prefix(environ: dict[str, str] | None = None) -> tuple[str, str]:
+    """How to start `shardwise` again under the launcher this process runs under, and a note
+    for after the command: `srun ...` under Slurm (never a local run there), `torchrun ...`
+    under torchrun, else the program itself."""
+    from ..launchers import launcher_name
+
+    env = dict(os.environ if environ is None else environ)
+    launcher = launcher_name(env)
+    # `python -m shardwise.cli` runs cli.py as __main__; an installed `shardwise` is a script.
+    module = bool(sys.argv) and os.path.basename(sys.argv[0]) == "cli.py"
+    prog = "python -m shardwise.cli" if module else _program()
+    world = env.get("WORLD_SIZE", "1")
+    if launcher == "slurm":
+        job = env.get("SLURM_JOB_ID", "")
+        requeue = (f", or requeue the job (`scontrol requeue {job}`): a requeued job resumes "
+                   "by itself") if job else ""
+        return f"srun --ntasks {world} {prog}", f" (inside a Slurm allocation{requeue})"
+    if launcher == "torchrun":
+        local = env.get("LOCAL_WORLD_SIZE", world)
+        nodes = int(world) // max(int(local), 1)
+        head = f"torchrun --nnodes {nodes} " if nodes > 1 else "torchrun "
+        return f"{head}--nproc-per-node {local} -m shardwise.cli", ""
+    return prog, ""
+
+
+def stopped_line(cfg: C.Config, run: Path, argv: list[str] | tuple[str, ...] = (),
+                 under_launcher: bool = False) -> str:
+    """Where an interrupted run stands, and the command that continues it (`under_launcher`:
+    the one for the launcher that started this rank, e.g. `srun ...` under Slurm)."""
     step, found = rundir.last_step(run), rundir.checkpoints(run)
     if step == 0 and not found:
         return "interrupted before the first step; nothing was saved"
     head = (f"interrupted after step {step} of {cfg.train.steps}" if cfg.train.steps else
             f"interrupted after step {step} ({cfg.train.epochs:g} epochs)")
-    prog = _program()
+    prog, after = _launch_prefix() if under_launcher else (_program(), "")
     if found:
-        # The saved config.toml may still hold the old train.steps (a resume interrupted
-        # before its first step): then --resume alone would leave nothing to do.
-        saved = run / "config.toml"
-        old = O.read_toml(saved).get("train.steps") if saved.exists() else None
-        steps = f" --train.steps {cfg.train.steps}" if old is not None and \
-            int(old) != cfg.train.steps else ""
         return (f"{head}; latest checkpoint {found[-1][1].name}; continue with "
-                f"`{prog} train --name {cfg.name} --resume{steps}`")
-    again = shlex.join([prog, "train", *[a for a in argv if a != "--overwrite"],
+                f"`{prog} train --name {cfg.name} --resume{_steps_flag(cfg, run)}`{after}")
+    again = shlex.join([*prog.split(), "train", *[a for a in argv if a != "--overwrite"],
                         "--overwrite"])
     return (f"{head}, before the first checkpoint (checkpoint.interval="
-            f"{cfg.checkpoint.interval}); start again with `{again}`")
+            f"{cfg.checkpoint.interval}); start again with `{again}`{after}")
+
+
+def _steps_flag(cfg: C.Config, run: Path) -> str:
+    # The saved config.toml may still hold the old train.steps (a resume interrupted before
+    # its first step): then --resume alone would leave nothing to do.
+    saved = run / "config.toml"
+    old = O.read_toml(saved).get("train.steps") if saved.exists() else None
+    return f" --train.steps {cfg.train.steps}" if old is not None and \
+        int(old) != cfg.train.steps else ""
+
+
+def preempted_line(cfg: C.Config, run: Path, stopped: dict[str, Any], rank: int,
+                   under_launcher: bool = True) -> str:
+    """What a rank says after a signal stopped the run with a checkpoint (train/preempt.py):
+    rank 0 the whole story and the command that continues, the others one short line."""
+    import signal
+
+    sig = signal.Signals(int(stopped["signal"])).name
+    who = f"{sig} (rank {stopped['rank']} got it first)"
+    ckpt = Path(str(stopped["checkpoint"])).name
+    if rank != 0:
+        return f"rank {rank} stopped after step {stopped['step']}: {who}; checkpoint {ckpt}"
+    of = f" of {cfg.train.steps}" if cfg.train.steps else ""
+    prog, after = _launch_prefix() if under_launcher else (_program(), "")
+    return (f"stopped by {who} after step {stopped['step']}{of}; checkpoint {ckpt} saved; "
+            f"continue with `{prog} train --name {cfg.name} --resume{_steps_flag(cfg, run)}`"
+            f"{after}")
 
 
 def main(argv: list[str]) -> int:
@@ -217,8 +275,11 @@ def main(argv: list[str]) -> int:
     print(f"{PROG}: launching {nproc} workers (torch.distributed elastic, "
           f"run folder {run})...", flush=True)
     try:
+        # Slurm's KillWait: 30 s from SIGTERM to SIGKILL; the workers finish their step and
+        # write a checkpoint within most of it (train/preempt.py).
+        stop = (cfg.checkpoint.stop_signal,) if cfg.checkpoint.stop_signal else ()
         results = launch(worker, nproc, cfg, max_restarts=cfg.max_restarts,
-                         expected=expected_errors())
+                         expected=expected_errors(), stop_signals=stop, grace_s=25)
     except Interrupted as e:
         if fresh:
             rundir.discard_unstarted(run)
@@ -233,6 +294,11 @@ def main(argv: list[str]) -> int:
             return e.exit_code
         # A worker's own error (a damaged checkpoint, a failed collective): --help is no help.
         return report(PROG, e.message, hint=False)
+    stopped = next((r["stopped"] for r in results if isinstance(r, dict) and "stopped" in r),
+                   None)
+    if stopped:  # a worker, not this launcher, got the signal
+        print(f"{PROG}: {preempted_line(cfg, run, stopped, 0, under_launcher=False)}",
+              file=sys.stderr)
     return max(r.get("exit_code", 0) if isinstance(r, dict) else 0 for r in results)
 
 
@@ -272,33 +338,96 @@ def _under_torchrun(argv: list[str]) -> int:
 
     Resolving on every rank would race: rank 0 creates the folder that another rank's
     "never overwrite" check then finds. An expected error is one line from rank 0 and exit
-    status 2 on every rank (torchrun itself then reports the failed workers).
+    status 2 on every rank (torchrun itself then reports the failed workers). Whatever else
+    stops a rank stops them all ([Note: stopping together]; `_stop_rank`).
     """
     import shardwise as sw
     from shardwise.engine.comm import collectives
 
     rank, _, _ = sw.init_distributed()
+    cfg: C.Config | None = None
+    run, fresh = Path(), False
     try:
-        cfg = config_on_every_rank(argv, rank)
-    except ValueError as e:
-        if rank == 0:
-            report(PROG, e)
-        collectives.finish()
-        return 2
-    run = Path(cfg.out_dir).expanduser() / cfg.name
-    fresh = rank == 0 and creates_run_folder(cfg, run)  # before rank 0 creates it
-    try:
+        try:
+            cfg = config_on_every_rank(argv, rank)
+        except ValueError as e:
+            if rank == 0:
+                report(PROG, e)
+            collectives.finish()
+            return 2
+        run = Path(cfg.out_dir).expanduser() / cfg.name
+        fresh = rank == 0 and creates_run_folder(cfg, run)  # before rank 0 creates it
         result = worker(cfg)
-    except tuple(expected_errors()) as e:
-        if rank == 0:
-            if fresh:  # e.g. weights refused at load: nothing was trained in it
-                rundir.discard_unstarted(run)
-            report(PROG, e)
-        return expected_errors().get(type(e), 2)
-    except KeyboardInterrupt:
-        if rank == 0:
-            run = Path(cfg.out_dir).expanduser() / cfg.name
-            print(f"{PROG}: {stopped_line(cfg, run, argv)}", file=sys.stderr)
-        return 130
+    except BaseException as e:  # noqa: BLE001 - every way a rank stops: say so, leave
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        return _stop_rank(e, rank, cfg, run, fresh, argv)
+    stopped = result.get("stopped")
+    if stopped:  # a signal: every rank finished the same step and saved (train/preempt.py)
+        print(f"{PROG}: {preempted_line(cfg, run, stopped, rank)}", file=sys.stderr,
+              flush=True)
     collectives.finish()
     return int(result.get("exit_code", 0))
+
+
+def _cause(e: BaseException) -> tuple[str, int, bool]:
+    """(cause, exit status, whether it is a crash worth its traceback) of a rank's stop."""
+    from ..train.preempt import SignalStop
+
+    text = " ".join(str(e).split())
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted (SIGINT)", 130, False
+    if isinstance(e, SignalStop):
+        return f"stopped by {text}", 128 + e.signum, False
+    if isinstance(e, SystemExit):
+        code = e.code if isinstance(e.code, int) else 1
+        return f"exit status {code}", code, False
+    status = next((c for t, c in expected_errors().items() if isinstance(e, t)), None)
+    if status is not None:
+        return f"error: {text}", status, False
+    return f"crashed: {type(e).__name__}: {text}", 1, True
+
+
+def _stop_rank(e: BaseException, rank: int, cfg: C.Config | None, run: Path, fresh: bool,
+               argv: list[str]) -> int:
+    """This rank stops: say why in the group's store (unless a rank did first), print one
+    line naming the first rank and its cause, and end at once, waiting on no peer: its
+    connections close with the process, which is how the others learn ([Note: stopping
+    together] in engine/comm/process_group.py). Returns only without a process group."""
+    import traceback
+
+    from ..engine.comm import process_group as PG
+    from ..engine.comm.work import CollectiveError
+
+    cause, status, crash = _cause(e)
+    lost = isinstance(e, CollectiveError) and PG.first_stop() is None
+    timed_out = lost and any(w in str(e.__cause__ or e).lower() for w in ("timed out", "timeout"))
+    if lost and not timed_out:
+        # A peer's connection closed and no rank said why: this rank is not the cause.
+        reason = PG.stop_note() or "no rank said why (a rank died without a word: killed?)"
+        line = f"rank {rank} stopped: a collective failed; {reason}"
+        first = None
+    else:
+        if timed_out:  # this rank waited out the timeout: the stall is the cause it names
+            cause = "a collective timed out: " + str(e).split(" Backend said:")[0]
+        first = PG.announce_stop(cause, status)
+        line = ""
+    if first is not None and first["rank"] == rank:
+        if crash:
+            tb = "".join(traceback.format_exception(e)).rstrip()
+            print(f"{PROG}: rank {rank} crashed:\n{tb}", file=sys.stderr)
+        if rank == 0 and status == 2:
+            report(PROG, e)  # a refusal found by rank 0 (or by every rank alike): as before
+        else:
+            line = f"rank {rank} stopped first: {cause}"
+    elif first is not None and not (status == 2 and first["cause"] == cause and rank != 0):
+        # (A refusal every rank raised alike is said once, by rank 0.)
+        line = f"rank {rank} stopped: rank {first['rank']} stopped first ({first['cause']})"
+    if line and rank == 0 and cfg is not None:
+        line += f"; {stopped_line(cfg, run, argv, under_launcher=True)}"
+    if line:
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if rank == 0 and fresh:
+        rundir.discard_unstarted(run)  # nothing was trained in it
+    PG.leave(status, then_exit=PG.is_initialized())
+    return status

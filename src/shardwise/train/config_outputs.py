@@ -51,16 +51,26 @@ class CheckpointSection:
     keep: how many of the latest checkpoints to keep.
     best: also keep the weights with the lowest validation loss so far in
         checkpoints/best (replaced only by a better one, never pruned).
+    stop_signal: a signal that, like SIGTERM, makes the run finish the step in progress on
+        every rank, write a checkpoint and exit: SIGUSR1, SIGUSR2, SIGHUP or SIGALRM, for
+        `sbatch --signal=USR1@120` ("": SIGTERM alone; docs/launching.md).
     """
 
     interval: int = 250
     keep: int = 2
     best: bool = True
+    stop_signal: str = ""
 
     def __post_init__(self) -> None:
+        from .preempt import STOP_SIGNALS, signal_name
+
         _typed("checkpoint", self)
         _positive("checkpoint", self, "interval", zero_ok=True)
         _positive("checkpoint", self, "keep")
+        name = signal_name(self.stop_signal)
+        _check(name in ("", *STOP_SIGNALS), f"checkpoint.stop_signal={self.stop_signal!r} is "
+               f"not one of: {', '.join(STOP_SIGNALS)} (or \"\" for SIGTERM alone)")
+        self.stop_signal = name
 
 
 @dataclass

@@ -25,8 +25,10 @@ from .options import dumps_toml
 
 CKPT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step-(\d+)$")
-# config.toml's first line names the torchelastic job that last wrote the folder.
+# config.toml's first lines name the torchelastic job and the Slurm job that last wrote the
+# folder (each only when there is one).
 _JOB_LINE = "# written by torchelastic job "
+_SLURM_LINE = "# written by slurm job "
 
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -131,36 +133,73 @@ def job_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def is_restart() -> bool:
+def slurm_job() -> str:
+    """This Slurm job's id ("" outside Slurm); a requeued job keeps it."""
+    return os.environ.get("SLURM_JOB_ID", os.environ.get("SLURM_JOBID", ""))
+
+
+def requeued() -> bool:
+    """Whether this is a Slurm job that was requeued (`sbatch --requeue`, a preemption, or
+    `scontrol requeue`): SLURM_RESTART_COUNT counts the requeues."""
+    try:
+        return bool(slurm_job()) and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def _torchelastic_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def written_by(run: Path) -> str:
-    """The job id in the folder's config.toml ("" if none)."""
+def is_restart() -> bool:
+    """A torchelastic restart of the workers, or a requeued Slurm job: the same job again."""
+    return _torchelastic_restart() or requeued()
+
+
+def _marker(run: Path, prefix: str) -> str:
     try:
         with (run / "config.toml").open() as f:
-            first = f.readline().rstrip("\n")
+            head = [f.readline().rstrip("\n") for _ in range(2)]
     except OSError:
         return ""
-    return first[len(_JOB_LINE):] if first.startswith(_JOB_LINE) else ""
+    return next((line[len(prefix):] for line in head if line.startswith(prefix)), "")
+
+
+def written_by(run: Path) -> str:
+    """The torchelastic job id in the folder's config.toml ("" if none)."""
+    return _marker(run, _JOB_LINE)
+
+
+def written_by_slurm_job(run: Path) -> str:
+    """The Slurm job id in the folder's config.toml ("" if none)."""
+    return _marker(run, _SLURM_LINE)
+
+
+def _same_job(run: Path) -> bool:
+    """Whether this same job last wrote `run`: the torchelastic job whose workers restarted,
+    or the Slurm job that was requeued."""
+    job = job_id()
+    if _torchelastic_restart() and job and written_by(run) == job:
+        return True
+    return requeued() and written_by_slurm_job(run) == slurm_job()
 
 
 def for_restart(cfg: Config) -> Config:
-    """After a torchelastic restart, continue the folder this same job was writing.
+    """After a torchelastic restart or a Slurm requeue, continue the folder this same job was
+    writing.
 
     With a checkpoint there: resume from its newest complete one. Without (the first attempt
     died before its first checkpoint): start over in it, the only case where a restart
     deletes anything, and then only files this job itself wrote. A folder written by any
     other job (or by no job) gets the usual rules, so user data is never touched.
     """
-    job = job_id()
-    if not is_restart() or not job or cfg.resume:
+    if not is_restart() or cfg.resume:
         return cfg
     out = Path(cfg.out_dir).expanduser()
     if cfg.name:
-        mine = [out / cfg.name] if written_by(out / cfg.name) == job else []
+        mine = [out / cfg.name] if _same_job(out / cfg.name) else []
     else:
-        mine = [p for p in out.iterdir() if written_by(p) == job] if out.is_dir() else []
+        mine = [p for p in out.iterdir() if _same_job(p)] if out.is_dir() else []
     if not mine:
         return cfg
     run = max(mine, key=lambda p: (p / "config.toml").stat().st_mtime)
@@ -229,8 +268,10 @@ def prepare(cfg: Config, moved: list[str] | None = None) -> Config:
     # The saved config describes the run, not this invocation's actions.
     saved = dataclasses.replace(cfg, resume=False, resume_from="", overwrite=False,
                                 data=dataclasses.replace(cfg.data, reset=False))
-    job = job_id()
-    (run / "config.toml").write_text((f"{_JOB_LINE}{job}\n" if job else "") + dumps_toml(saved))
+    job, slurm = job_id(), slurm_job()
+    (run / "config.toml").write_text((f"{_JOB_LINE}{job}\n" if job else "")
+                                     + (f"{_SLURM_LINE}{slurm}\n" if slurm else "")
+                                     + dumps_toml(saved))
     return cfg
 
 

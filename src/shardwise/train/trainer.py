@@ -49,6 +49,7 @@ from .metrics import (
     training_state_bytes,
 )
 from .model import GPT
+from .preempt import StopRequest, first_request
 from .sampling import ByteCodec, HFCodec, sample_text
 from .tensor_parallel import check_world
 from .windows import EventLog, TraceWindow
@@ -157,6 +158,9 @@ class StepResult:
     applied: bool  # the non-finite guard let the step through
     stepped: bool  # and the optimizer stepped (False too when fp16 gradients overflowed)
     seconds: float
+    # (rank, signal number) of the first rank asked to stop (preempt.py), seen alike by
+    # every rank in this step's all-gather: the run stops after this step. None: go on.
+    stop: tuple[int, int] | None = None
 
 
 class Trainer:
@@ -164,7 +168,7 @@ class Trainer:
     step from `start + 1` to `cfg.train.steps`, then `finish`."""
 
     def __init__(self, cfg: Config, reporter: Reporter | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, stop: StopRequest | None = None) -> None:
         self.rank, self.world, self.device = sw.init_distributed()
         torch.set_num_threads(threads_per_rank(cfg))
         t = cfg.train
@@ -199,6 +203,7 @@ class Trainer:
         self.rep: Reporter = (reporter if (reporter is not None and self.rank == 0)
                               else NullReporter())
         self.faults = faults  # None outside the fault tests: no checks in the step loop
+        self.stop = stop  # SIGTERM's note (commands/train.py installs it); None: no requests
 
         self.built = build(cfg, tp_mesh(cfg, self.world, self.device))
         self.model = self.built.model
@@ -259,6 +264,7 @@ class Trainer:
         self.metrics = open_metric_log(cfg, self.run_dir, self.world) if self.rank == 0 else None
         self.best = BestKeeper(self.run_dir, cfg.checkpoint.best, bool(cfg.lora.rank))
         self.val_loss = math.nan
+        self.saved: Path | None = None  # the latest checkpoint this invocation wrote
         self.losses: list[float] = []  # applied steps only
         self.timed_tokens, self.timed_s = 0, 0.0
         self.t_begin = time.perf_counter()
@@ -300,9 +306,11 @@ class Trainer:
         scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
         norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf).item()
         # Every rank's loss (and memory) in one small all-gather, so the mean loss, NaN if
-        # any rank's is, is the same on every rank before anything is applied.
+        # any rank's is, is the same on every rank before anything is applied. A stop request
+        # (a signal's number and time, preempt.py) rides along: every rank sees every rank's.
         mine = loss_sum.item() if weigh else loss_sum.item() / t.grad_accum
-        per_rank = Cm.all_gather_floats([mine, memory_mb(self.device)])
+        asked = (float(self.stop.signum), self.stop.when) if self.stop else (0.0, 0.0)
+        per_rank = Cm.all_gather_floats([mine, memory_mb(self.device), *asked])
         loss_mean = sum(r[0] for r in per_rank) / (max(counted, 1.0) if weigh
                                                    else self.world)
         # Decided alike on every rank: a stop raises here, so no checkpoint is ever saved
@@ -312,7 +320,8 @@ class Trainer:
         scaler.update()
         opt.zero_grad(set_to_none=True)
         return StepResult(step, lr, loss_mean, norm, [r[1] for r in per_rank], applied, stepped,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0,
+                          first_request([(r[2], r[3]) for r in per_rank]))
 
     def log_step(self, r: StepResult) -> None:
         """The step's record to metrics.jsonl and the reporter; evaluation and a checkpoint
@@ -340,7 +349,9 @@ class Trainer:
         if step == self.count_until:
             self.events.stop()
         self.tracing.after(step)
-        if (t.eval_interval and step % t.eval_interval == 0) or step == self.end:
+        # A stop skips the evaluation (the grace period before SIGKILL is short) and saves.
+        if ((t.eval_interval and step % t.eval_interval == 0) or step == self.end) \
+                and (r.stop is None or step == self.end):
             self.events.counter.paused = self.tracing.paused = True
             ev = evaluate(self.built, self.parts.val, self.cfg, self.rank, self.world,
                           self.device)
@@ -354,12 +365,25 @@ class Trainer:
             self.metrics.write(record)
         self.rep.step(record)
         ck = self.cfg.checkpoint
-        if (ck.interval and step % ck.interval == 0) or step == self.end:
+        if (ck.interval and step % ck.interval == 0) or step == self.end or r.stop:
             path = save(self.run_dir, step, self.model, self.opt, self.stream, self.scaler,
                         ck.keep, self.rank, keys=self.keys, phase=self.phase,
                         trainable_only=bool(self.cfg.lora.rank),
                         tokens_per_step=self.tokens_per_step)
             self.rep.checkpoint(step, str(path))
+            self.saved = path
+
+    def stopped(self, r: StepResult) -> dict[str, Any]:
+        """The summary of a run stopped by a signal after step `r.step`, its checkpoint saved."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.events.stop()
+        assert r.stop is not None
+        rank, signum = r.stop
+        return {"run_dir": str(self.run_dir), "steps": self.end, "start_step": self.start,
+                "world": self.world, "stopped": {"step": r.step, "rank": rank,
+                                                  "signal": signum, "checkpoint": str(self.saved)},
+                "exit_code": 128 + signum}
 
     def finish(self) -> dict[str, Any]:
         """Close the logs, sample some text, and return the run's summary (every rank)."""
@@ -409,12 +433,17 @@ class Trainer:
 
 
 def run(cfg: Config, reporter: Reporter | None = None,
-        faults: FaultInjector | None = None) -> dict[str, Any]:
+        faults: FaultInjector | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train on every rank of the current process group (or torchrun's); return the summary.
-    `faults`: the tests' fault injector (train/faults.py), None in a normal run."""
-    trainer = Trainer(cfg, reporter, faults)
+    `faults`: the tests' fault injector (train/faults.py), None in a normal run. `stop`: the
+    signal note (preempt.py); once any rank has one, every rank ends after the same step with
+    a checkpoint, and the summary's `stopped` says where."""
+    trainer = Trainer(cfg, reporter, faults, stop)
     for step in range(trainer.start + 1, trainer.end + 1):
-        trainer.log_step(trainer.train_step(step))
+        r = trainer.train_step(step)
+        trainer.log_step(r)
+        if r.stop is not None and step < trainer.end:
+            return trainer.stopped(r)
     return trainer.finish()
 
 

@@ -60,7 +60,9 @@ cannot hold the exit either.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import json
 import logging
 import math
 import os
@@ -68,9 +70,10 @@ import platform
 import re
 import socket
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -157,7 +160,10 @@ def mark_failed() -> None:
     _failed = True
 
 
-def init_process_group(backend_name: str, timeout: float) -> None:
+def init_process_group(backend_name: str, timeout: float,
+                       slurm: Mapping[str, str] | None = None) -> None:
+    """Start the default group from torchrun's variables, or from `slurm` (torchrun's names,
+    as `torch_env_from_slurm` gives them) without touching the environment."""
     global timeout_s
     timeout_s = timeout
     # Imported before the group exists: importing torch.distributed.fsdp's FSDP1 modules
@@ -166,7 +172,13 @@ def init_process_group(backend_name: str, timeout: float) -> None:
     # not know ("Unknown c10d backend type FAKE": torchtitan's build_mesh, imported lazily).
     import torch.distributed.fsdp  # noqa: F401
     td = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend_name, timeout=td, **_restart_store(td))
+    if slurm:
+        dist.init_process_group(
+            backend_name, init_method=f"tcp://{slurm['MASTER_ADDR']}:{slurm['MASTER_PORT']}",
+            rank=int(slurm["RANK"]), world_size=int(slurm["WORLD_SIZE"]), timeout=td)
+    else:
+        dist.init_process_group(backend_name, timeout=td, **_restart_store(td))
+    _remember_store()
     communicating()
 
 
@@ -332,10 +344,16 @@ def _at_exit() -> None:
     """The exit drain for scripts that end without finish() ([Note: gloo teardown])."""
     try:
         if not is_initialized():
-            wait_for_gloo_drops(_DRAIN_LIMIT_S)
-            wait_for_gloo_workers(_DRAIN_LIMIT_S)
+            limit_s = _FAILED_DRAIN_S if _ending_with_error() else _DRAIN_LIMIT_S
+            wait_for_gloo_drops(limit_s)
+            wait_for_gloo_workers(limit_s)
         elif _ending_with_error():
-            destroy_process_group()
+            # [Note: stopping together]: say why in the store, then leave without waiting.
+            status, cause = _exit_cause()
+            announce_stop(cause, status)
+            leave(status)
+            wait_for_gloo_drops(_FAILED_DRAIN_S)
+            wait_for_gloo_workers(_FAILED_DRAIN_S)
         else:
             finish()
     except Exception as e:  # noqa: BLE001 - an exit handler must not turn success into failure
@@ -344,6 +362,227 @@ def _at_exit() -> None:
                     "with an error): %s", " ".join(str(e).split())[:300])
         wait_for_gloo_drops(_FAILED_DRAIN_S)
         wait_for_gloo_workers(_FAILED_DRAIN_S)
+
+
+# --- stopping together --------------------------------------------------------------------
+# [Note: stopping together] Whatever stops one rank (a signal, an exception, a refusal, a
+# collective that timed out) must stop every rank within seconds, and each must be able to
+# say which rank stopped first and why. Two rules do it:
+#
+# - A stopping rank never waits on its peers: no barrier (`leave`). Its gloo connections
+#   close only when the process ends: destroy_process_group, _abort_process_group and
+#   ProcessGroup.abort() close nothing while anything (a sub-group, a mesh, a unit) still
+#   holds the group, and they wait for every collective in flight, which on a stalled or
+#   dead peer means the collective timeout (both measured). So the command ends a stopping
+#   rank with os._exit (`exit_now`, after flushing) and the kernel closes its sockets; a
+#   library script's exit handler tears the group down on a helper thread bounded by
+#   _LEAVE_S, and ends the process itself past the bound.
+# - Closing its connections is how the others learn: a peer's pending or next collective
+#   fails within moments ("Connection closed by peer") instead of at the timeout. Before
+#   leaving, the rank writes {rank, cause, status} under one key of the group's rendezvous
+#   store, first writer wins (compare_set), so the peer whose collective failed reads who
+#   stopped first and why (`first_stop`, quoted by every CollectiveError) rather than guessing
+#   from a socket error. The store lives in torchrun's agent, or in rank 0's process (env://,
+#   tcp://: Slurm tasks, mp.spawn). There, when another rank stopped first, rank 0 keeps the
+#   store up while leaving, at most _LEAVE_S, until every peer has read the record; when rank
+#   0 stopped first, the store ends with it, and its peers say that rank 0 is gone (its own
+#   line says why). A rank killed outright (SIGKILL) writes nothing; its peers then say the
+#   collective failed and no rank said why.
+
+_LEAVE_S = 2.0
+# Store calls on the stopping path: the store may be gone with rank 0.
+_STORE_S = 2.0
+# The first stop record this process knows of (its own or a peer's), once known.
+_stop: dict[str, Any] | None = None
+# The default group's store, kept past destroy_process_group (rank 0 serves it from here).
+_store: Any = None
+# Set once a store call failed: the store's host (rank 0, or torchrun's agent) is gone.
+_store_gone = False
+
+
+# This process's rank in the default group, kept past the group's teardown.
+_my_rank = 0
+
+
+def _remember_store() -> None:
+    global _store, _stop, _my_rank
+    _stop = None
+    with contextlib.suppress(Exception):
+        _store = dist.distributed_c10d._get_default_store()
+        _my_rank = dist.get_rank()
+
+
+def _stop_key() -> str:
+    # Per torchelastic attempt: the agent's store keeps the keys of a failed attempt.
+    return f"shardwise/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}"
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """fd 2 to /dev/null for one store call: c10d prints a C++ stack trace of its own before
+    raising when the store's host is gone, and the caller words that case itself."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _store_call(fn: Any) -> Any:
+    """`fn(store)` bounded by _STORE_S; None when there is no store or it is gone."""
+    if _store is None:
+        _remember_store()
+    store = _store
+    if store is None:
+        return None
+    try:
+        with _quiet_stderr():
+            store.set_timeout(datetime.timedelta(seconds=_STORE_S))
+            return fn(store)
+    except Exception as e:  # noqa: BLE001 - the host may be gone: the caller says so
+        global _store_gone
+        _store_gone = True
+        log.debug("shardwise stop: the rendezvous store did not answer: %s", e)
+        return None
+
+
+def announce_stop(cause: str, status: int) -> dict[str, Any]:
+    """Record in the group's store that this rank stops, and why, unless a rank did first;
+    return the first record ({"rank", "cause", "status"}: this rank's, or the earlier one).
+
+    [Note: stopping together]. Call before `leave`; without a group (or a store that
+    answers), this rank's own record is returned.
+    """
+    global _stop, _my_rank
+    if _stop is not None:
+        return _stop
+    if is_initialized():
+        _my_rank = rank()
+    mine = {"rank": _my_rank, "cause": " ".join(cause.split())[:500], "status": int(status)}
+    if not is_initialized() or world_size() == 1:
+        _stop = mine
+        return mine
+    key = _stop_key()
+    raw = _store_call(lambda st: st.compare_set(key, "", json.dumps(mine)))
+    first = mine
+    if raw is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            first = json.loads(raw)
+        if first["rank"] != mine["rank"]:
+            _store_call(lambda st: st.add(f"{key}/seen", 1))
+    _stop = first
+    return first
+
+
+def first_stop() -> dict[str, Any] | None:
+    """The first stop record a rank announced, read without waiting; None when none was (a
+    rank killed outright) or the store is gone with its host. Reading it tells the announcing
+    rank that this one has seen it ([Note: stopping together])."""
+    global _stop
+    if _stop is not None:
+        return _stop
+    key = _stop_key()
+
+    def read(st: Any) -> Any:
+        return st.get(key) if st.check([key]) else None
+
+    raw = _store_call(read)
+    if raw is None:
+        return None
+    try:
+        _stop = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    _store_call(lambda st: st.add(f"{key}/seen", 1))
+    return _stop
+
+
+def stop_note() -> str:
+    """Who stopped first and why, for the message of a collective that failed ("" if no rank
+    said: one died without a word)."""
+    first = first_stop()
+    if first is not None:
+        return "" if first["rank"] == _my_rank else \
+            f"rank {first['rank']} stopped first ({first['cause']})"
+    if not _store_gone:
+        return ""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "the launcher's rendezvous store is gone too (the launcher ended)"
+    return ("rank 0 ended first (the group's store, which rank 0 served, is gone with it; "
+            "rank 0's own output says why)")
+
+
+def _hosts_store() -> bool:
+    """Whether this process serves the group's store (env:// or tcp:// start-up: rank 0);
+    torchrun's workers use their agent's."""
+    return rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def leave(status: int, limit_s: float = _LEAVE_S, then_exit: bool = False) -> None:
+    """Leave the process group without waiting on any peer ([Note: stopping together]).
+
+    then_exit: end the process here (`exit_now`): the way its connections close at once.
+    Otherwise the teardown runs on a helper thread, and when it does not end within
+    `limit_s` (a collective in flight on a stalled or dead peer holds it), the process ends
+    here all the same. A process that serves the store keeps it up, at most `limit_s`, until
+    every peer has read another rank's stop record. The exit drain waits at no barrier after.
+    """
+    global _failed
+    _failed = True
+    ending_with(status)
+    n, hosts, key = world_size(), _hosts_store(), _stop_key()
+    if is_initialized() and not then_exit:
+        helper = threading.Thread(target=_destroy_quietly, name="shardwise-leave", daemon=True)
+        helper.start()
+        helper.join(limit_s)
+        if helper.is_alive():
+            log.debug("shardwise stop: the group's teardown waits on a peer; exiting now")
+            exit_now(status)
+    if hosts and n > 1 and _stop is not None and _stop["rank"] != _my_rank:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            seen = _store_call(lambda st: st.add(f"{key}/seen", 0))
+            if seen is None or seen >= n - 1:
+                break
+            time.sleep(0.02)
+    if then_exit:
+        exit_now(status)
+
+
+def _destroy_quietly() -> None:
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def exit_now(status: int) -> None:
+    """End this process at once with `status`: logs and stdio flushed, no interpreter teardown
+    (which would wait on the threads of a collective stuck on a peer)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _exit_cause() -> tuple[int, str]:
+    """The status and the cause of a process ending with an error, as the exit handler sees
+    it: an uncaught exception, a declared sys.exit code, or a collective that failed here."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "interrupted (KeyboardInterrupt)"
+    if isinstance(exc, BaseException):
+        text = " ".join(str(exc).split())
+        return 1, f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if _exit_status not in (None, 0):
+        return int(_exit_status), f"exit status {_exit_status}"
+    return 1, "a collective failed"
 
 
 # --- who is in a group ------------------------------------------------------------------
@@ -675,9 +914,20 @@ def init_distributed(
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"SHARDWISE_TIMEOUT={env!r} is not allowed: must be a finite "
                              "number of seconds > 0")
+    slurm: dict[str, str] = {}
     if "RANK" not in os.environ and not is_initialized():
-        use_slurm_env()  # an srun task without torchrun: Slurm's variables say who we are
-    if "RANK" not in os.environ and not is_initialized():
+        # An srun task without torchrun: Slurm's variables say who we are. They are passed to
+        # the group's start explicitly, never written into os.environ (a library call must
+        # not change the process's environment); a task that cannot be placed stops here,
+        # before any group exists, rather than training alone as one of N silent copies.
+        try:
+            slurm = torch_env_from_slurm(os.environ)
+        except ValueError as e:
+            raise ValueError(f"sw.init_distributed(): this is task {os.environ.get('SLURM_PROCID')}"
+                             f" of an srun step, but {e}") from None
+        _launch_env.clear()
+        _launch_env.update(slurm)
+    if "RANK" not in os.environ and not is_initialized() and not slurm:
         # Alone (no launcher); a group that exists already (Ray Train's) is joined as it is.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -685,12 +935,25 @@ def init_distributed(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = float(timeout_s)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(launch_var("LOCAL_RANK") or 0)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     if not is_initialized():
-        init_process_group(backend, timeout)
+        init_process_group(backend, timeout, slurm)
     return rank(), world_size(), device
+
+
+# What init_distributed read from Slurm's variables (torchrun's names -> values) when it
+# started the group from them; empty otherwise. Read through `launch_var`.
+_launch_env: dict[str, str] = {}
+
+
+def launch_var(name: str) -> str | None:
+    """A launcher variable (RANK, LOCAL_WORLD_SIZE, ...): the environment's, else the one
+    init_distributed derived from Slurm's variables without writing it into the environment."""
+    value = os.environ.get(name)
+    return value if value not in (None, "") else _launch_env.get(name)
+

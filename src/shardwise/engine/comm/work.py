@@ -160,6 +160,12 @@ def failure(description: str, seq: int | None, global_ranks: list[int],
              "SHARDWISE_TIMEOUT)") if timeout_s else "the process group's timeout"
     hint = "" if debug_enabled() else (
         " If the ranks may have diverged, rerun with SHARDWISE_DEBUG=1 to name where.")
+    # Who stopped first and why, when a peer said so before leaving ([Note: stopping
+    # together] in process_group.py): then the socket error is only the consequence.
+    note = PG.stop_note()
+    if note:
+        return CollectiveError(f"{description} on ranks {global_ranks}{where} failed after "
+                               f"{elapsed_s:.1f} s: {note}. Backend said: {first}.")
     return CollectiveError(
         f"{description} on ranks {global_ranks}{where} failed after {elapsed_s:.1f} s: "
         f"a peer rank died, or stalled past {limit}. Backend said: {first}.{hint}"
