@@ -383,11 +383,15 @@ def _at_exit() -> None:
 #   store, first writer wins (compare_set), so the peer whose collective failed reads who
 #   stopped first and why (`first_stop`, quoted by every CollectiveError) rather than guessing
 #   from a socket error. The store lives in torchrun's agent, or in rank 0's process (env://,
-#   tcp://: Slurm tasks, mp.spawn). There, when another rank stopped first, rank 0 keeps the
-#   store up while leaving, at most _LEAVE_S, until every peer has read the record; when rank
-#   0 stopped first, the store ends with it, and its peers say that rank 0 is gone (its own
-#   line says why). A rank killed outright (SIGKILL) writes nothing; its peers then say the
-#   collective failed and no rank said why.
+#   tcp://: Slurm tasks, mp.spawn). There rank 0 keeps the store up while leaving, at most
+#   _LEAVE_S, until every peer has read the record. When rank 0 itself stopped first and is
+#   about to end (the command's path), it first shuts down its connected sockets other than
+#   the store's (`_close_peer_sockets`: the peers' collectives fail at once, and read the
+#   record from the store that is still up); gloo's listening socket is left alone (shutting
+#   it down aborts gloo's loop thread: measured). A library script's rank 0 does not touch
+#   sockets it may not own: its peers then say that rank 0 ended first, and rank 0's own
+#   output says why. A rank killed outright (SIGKILL) writes nothing; its peers then say
+#   the collective failed and no rank said why.
 
 _LEAVE_S = 2.0
 # Store calls on the stopping path: the store may be gone with rank 0.
@@ -538,6 +542,9 @@ def leave(status: int, limit_s: float = _LEAVE_S, then_exit: bool = False) -> No
     _failed = True
     ending_with(status)
     n, hosts, key = world_size(), _hosts_store(), _stop_key()
+    if then_exit and hosts and n > 1 and _stop is not None and _stop["rank"] == _my_rank:
+        with contextlib.suppress(ValueError, TypeError):
+            _close_peer_sockets(int(launch_var("MASTER_PORT") or 0))
     if is_initialized() and not then_exit:
         helper = threading.Thread(target=_destroy_quietly, name="shardwise-leave", daemon=True)
         helper.start()
@@ -545,7 +552,7 @@ def leave(status: int, limit_s: float = _LEAVE_S, then_exit: bool = False) -> No
         if helper.is_alive():
             log.debug("shardwise stop: the group's teardown waits on a peer; exiting now")
             exit_now(status)
-    if hosts and n > 1 and _stop is not None and _stop["rank"] != _my_rank:
+    if hosts and n > 1 and _stop is not None:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             seen = _store_call(lambda st: st.add(f"{key}/seen", 0))
@@ -554,6 +561,41 @@ def leave(status: int, limit_s: float = _LEAVE_S, then_exit: bool = False) -> No
             time.sleep(0.02)
     if then_exit:
         exit_now(status)
+
+
+def _close_peer_sockets(store_port: int) -> int:
+    """Shut down this process's connected TCP sockets, except the store's (port
+    `store_port`, either end); return how many. Only for a process about to end: the
+    peers' collectives then fail at once, while the store still answers them."""
+    import socket
+
+    if not store_port:
+        return 0
+    closed = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or \
+                    sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            local, remote = sock.getsockname()[1], sock.getpeername()[1]  # a listener: raises
+            if store_port not in (local, remote):
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return closed
 
 
 def _destroy_quietly() -> None:
