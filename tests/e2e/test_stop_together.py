@@ -29,6 +29,9 @@ TINY = ["--model.preset", "tiny", "--data.max_bytes", "200000", "--train.batch_s
         "--train.steps", "400", "--train.eval_interval", "0", "--train.eval_batches", "2",
         "--checkpoint.interval", "2", "--log.sample_tokens", "0", "--log.event_steps", "0"]
 LIMIT_S = 10.0  # the issue's bound, from the cause to the end of every rank
+# SIGTERM finishes the step and writes a checkpoint first (part 2): Slurm's grace, 30 s. (Under
+# --nproc about 8 s of it is torchelastic's own end after the workers returned, as in any run.)
+GRACE_S = 30.0
 START_S = 240  # start-up on a busy 2-core machine is not what is measured
 TIMEOUT_S = 8  # the collective timeout of the timeout case (start-up must fit in it)
 STALL_S = 10  # how long the stalled rank sleeps: its peers time out first
@@ -111,25 +114,27 @@ def test_one_rank_stops_every_rank(launcher: str, cause: str, world: int,
     fired = float(stamp.read_text()) + (TIMEOUT_S if cause == "timeout" else 0.0)
     took = max(ended) - fired
     print(f"{launcher} {cause} x{world}: every rank stopped {took:.1f} s after the cause")
-    assert took < LIMIT_S, (took, errs)
+    assert took < (GRACE_S if cause == "sigterm" else LIMIT_S), (took, errs)
     codes = [p.returncode for p in procs]
     assert all(c != 0 for c in codes), codes
     log = "\n".join(errs)
     assert "Traceback" not in log or cause == "crash" or launcher == "torchrun", log
-    if launcher == "nproc":
-        assert word in log, log
+    if launcher == "nproc":  # the launcher's one line names the root cause
+        assert ("interrupted" if ctrl_c else word).lower() in log.lower(), log
         return
     lines = [ln for ln in log.splitlines() if ln.startswith("shardwise train: ")]
     if cause == "sigterm":  # every rank finished step 3 and the checkpoint was written
         assert (tmp_path / "runs" / "stop" / "checkpoints" / "step-0000003").is_dir()
-        assert all(c == 128 + signal.SIGTERM for c in codes), codes
+        # (torchrun's agent takes a worker's 143 for a failure: its own status is 1.)
+        assert launcher == "torchrun" or all(c == 128 + signal.SIGTERM for c in codes), codes
         assert f"SIGTERM (rank {first} got it first) after step 3" in log, log
     for r in range(world):
-        mine = [ln for ln in lines if ln.startswith(f"shardwise train: rank {r} ")
+        mine = [ln for ln in lines if (ln.startswith(f"shardwise train: rank {r} ")
+                                       and not ln.endswith(" crashed:"))
                 or (r == 0 and ln.startswith("shardwise train: stopped by"))]
         assert len(mine) == 1, (r, log)
         if cause == "timeout":  # whichever peer timed out first is named
-            assert "stopped first" in mine[0] and word in log, log
+            assert "stopped first" in mine[0] and word in log.lower(), log
         elif cause != "sigterm":
             assert f"rank {first} stopped first" in mine[0] and word in mine[0], log
     if launcher == "slurm":  # one line per rank (and the crashing rank's traceback)
