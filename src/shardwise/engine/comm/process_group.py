@@ -737,8 +737,9 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
 # and shardwise reads LOCAL_RANK and LOCAL_WORLD_SIZE too (the device, HYBRID_SHARD's node
 # groups, threads per rank). torchrun sets all of them; `srun` sets its own SLURM_* variables
 # instead. `torch_env_from_slurm(environ)` translates one into the other, and
-# `use_slurm_env()` applies it to this process; `init_distributed` calls it when no group and
-# no RANK exist, so `srun python train.py` joins one process group (docs/launching.md).
+# `use_slurm_env()` applies it to this process; `init_distributed` uses the translation
+# without applying it when no group and no RANK exist, so `srun python train.py` joins one
+# process group (docs/launching.md).
 ## Only the standard library is imported: this runs before torch does anything distributed.
 
 # Set by use_slurm_env (and by shardwise's Ray helper) so the header can name the launcher.
@@ -934,7 +935,10 @@ def init_distributed(
 ) -> tuple[int, int, torch.device]:
     """Join the process group described by torchrun's environment; return (rank, world, device).
 
-    Without torchrun's variables it starts a one-process group on 127.0.0.1, so the same
+    Inside a task of an srun step without torchrun (SLURM_PROCID, no RANK) the ranks come
+    from Slurm's variables (`torch_env_from_slurm`), passed to the group's start without
+    writing os.environ; a task they cannot place raises ValueError before any group exists.
+    Without any launcher's variables it starts a one-process group on 127.0.0.1, so the same
     script runs alone. Backend: NCCL when CUDA is available, else gloo. `timeout_s` (default
     SHARDWISE_TIMEOUT or 300) bounds every collective, so a dead rank raises instead of
     hanging forever.
