@@ -126,6 +126,7 @@ def communicating() -> None:
         if os.environ.get("SHARDWISE_EXIT_DRAIN", "1") != "0":
             atexit.register(_at_exit)
             _watch_sys_exit()
+            _watch_sigint()
 
 
 def ending_with(status: int) -> None:
@@ -153,6 +154,31 @@ def _watch_sys_exit() -> None:
 
     exit._shardwise_watch = True  # type: ignore[attr-defined]
     sys.exit = exit
+
+
+# Set when SIGINT reached this process (`_watch_sigint`): the exit is not a clean one.
+_interrupted = False
+
+
+def _watch_sigint() -> None:
+    """Let the exit drain see a Ctrl-C even when something caught the KeyboardInterrupt
+    (torch.multiprocessing.spawn's worker wrapper swallows it and exits 0): such a rank left
+    its peers mid-step, and a barrier at exit would pair with their next collective and wait
+    out the timeout. Only Python's own SIGINT handler, in the main thread, is wrapped: it
+    notes the signal, then raises KeyboardInterrupt as before. Part of the exit drain (same
+    switch, SHARDWISE_EXIT_DRAIN=0; docs/design.md, "Global effects")."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        global _interrupted
+        _interrupted = True
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def mark_failed() -> None:
@@ -336,7 +362,7 @@ def ending_with_error() -> bool:
 def _ending_with_error() -> bool:
     # CPython stores an uncaught exception (KeyboardInterrupt included) here before it runs
     # the exit handlers; a sys.exit code only when declared with ending_with.
-    return _failed or getattr(sys, "last_value", None) is not None \
+    return _failed or _interrupted or getattr(sys, "last_value", None) is not None \
         or getattr(sys, "last_exc", None) is not None or _exit_status not in (None, 0)
 
 
@@ -624,6 +650,8 @@ def _exit_cause() -> tuple[int, str]:
         return 1, f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if _exit_status not in (None, 0):
         return int(_exit_status), f"exit status {_exit_status}"
+    if _interrupted:
+        return 130, "interrupted (SIGINT)"
     return 1, "a collective failed"
 
 
