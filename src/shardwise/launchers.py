@@ -29,6 +29,7 @@ from .engine.comm.process_group import (  # noqa: F401 - the public home of the 
     OPT_OUT_ENV,
     expand_nodelist,
     in_srun_step,
+    launch_var,
     tasks_on_node,
     torch_env_from_slurm,
     use_slurm_env,
@@ -38,8 +39,10 @@ from .engine.comm.process_group import (  # noqa: F401 - the public home of the 
 def launcher_name(environ: Mapping[str, str] | None = None) -> str:
     """Who started this process: slurm, ray, shardwise (--nproc), torchrun or none."""
     env = os.environ if environ is None else environ
-    if env.get(LAUNCHER_ENV):
-        return env[LAUNCHER_ENV]
+    # (sw.init_distributed's Slurm start-up records it without writing the environment.)
+    named = env.get(LAUNCHER_ENV) or (launch_var(LAUNCHER_ENV) if environ is None else None)
+    if named:
+        return named
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
     if run_id:
         return "shardwise --nproc" if run_id.startswith("shardwise-") else "torchrun"

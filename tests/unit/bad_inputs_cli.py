@@ -107,6 +107,8 @@ TRAIN_CASES = [
     train("resume_from", "latest", f"resume_from='latest' {NA}: give a checkpoint as step-N"),
     train("checkpoint.interval", "-1", "checkpoint.interval=-1 must be >= 0"),
     train("checkpoint.keep", "0", "checkpoint.keep=0 must be > 0"),
+    train("checkpoint.stop_signal", "KILL", "checkpoint.stop_signal='KILL' is not one of: "
+          "SIGUSR1, SIGUSR2, SIGHUP, SIGALRM"),
     train("log.event_steps", "-2", "log.event_steps=-2 must be >= -1"),
     train("log.sample_tokens", "-1", "log.sample_tokens=-1 must be >= 0"),
     train("log.sample_prompt", "", "log.sample_prompt must not be empty"),

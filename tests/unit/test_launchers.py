@@ -115,7 +115,8 @@ def test_topology() -> None:
 
 def test_init_distributed_reads_slurm_without_torchrun(tmp_path) -> None:
     """`srun python script.py` calling only sw.init_distributed(): one task of one, on
-    127.0.0.1; it used to start a lone group that ignored Slurm (eight tasks, eight models)."""
+    127.0.0.1; it used to start a lone group that ignored Slurm (eight tasks, eight models).
+    The variables are passed to the group's start, never written into os.environ."""
     import subprocess
     import sys
 
@@ -125,9 +126,12 @@ def test_init_distributed_reads_slurm_without_torchrun(tmp_path) -> None:
                 "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
                 "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "1",
                 "SLURM_TASKS_PER_NODE": "1"})
-    code = ("import os, shardwise as sw; r, w, _ = sw.init_distributed(); "
-            "print(r, w, os.environ['MASTER_PORT'], os.environ['SHARDWISE_LAUNCHER'])")
+    code = ("import os, shardwise as sw; from shardwise.launchers import launcher_name; "
+            "from shardwise.engine.comm.process_group import launch_var; "
+            "r, w, _ = sw.init_distributed(); "
+            "print(r, w, launch_var('MASTER_PORT'), launcher_name(), "
+            "any(k in os.environ for k in ('RANK', 'MASTER_PORT', 'SHARDWISE_LAUNCHER')))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0", "1", str(20000 + 4242 % 10000), "slurm"]
+    assert out.stdout.split() == ["0", "1", str(20000 + 4242 % 10000), "slurm", "False"]
