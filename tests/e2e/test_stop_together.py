@@ -141,3 +141,26 @@ def test_one_rank_stops_every_rank(launcher: str, cause: str, world: int,
         for r, err in enumerate(errs):
             if not (cause == "crash" and r == first):
                 assert len(err.strip().splitlines()) == 1, (r, err)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sigint_to_every_slurm_task_at_once(world: int, tmp_path: Path) -> None:
+    """srun's Ctrl-C reaches every task: before, both ended in 1 s in one run and hung past
+    25 s in the next (each rank's exit barrier paired with another's collective)."""
+    procs = start("slurm", world, tmp_path, clean_env())
+    deadline = time.monotonic() + START_S
+    while not (tmp_path / "runs" / "stop" / "checkpoints").is_dir():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    sent = time.time()
+    for p in procs:
+        os.kill(p.pid, signal.SIGINT)
+    ended, errs = run_until_stopped(procs, tmp_path / "unused")
+    took = max(ended) - sent
+    print(f"slurm SIGINT to all x{world}: every rank stopped {took:.1f} s after the signal")
+    assert took < LIMIT_S, (took, errs)
+    for r, err in enumerate(errs):
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"shardwise train: rank {r} stopped"), \
+            (r, errs)
+        assert "SIGINT" in lines[0] or "rank 0 ended first" in lines[0], (r, errs)

@@ -429,5 +429,12 @@ def _stop_rank(e: BaseException, rank: int, cfg: C.Config | None, run: Path, fre
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if rank == 0 and fresh:
         rundir.discard_unstarted(run)  # nothing was trained in it
+    if (first is None or first["rank"] != rank) and os.environ.get("TORCHELASTIC_RUN_ID"):
+        # A consequence, under torchrun's agent: it polls every 0.1 s and names the first
+        # failed worker it finds in a poll, which could be this one if it ended in the same
+        # poll as the cause (a SIGKILLed rank's exitcode -9 then goes unreported).
+        import time
+
+        time.sleep(0.3)
     PG.leave(status, then_exit=PG.is_initialized())
     return status
