@@ -578,7 +578,9 @@ def leave(status: int, limit_s: float = _LEAVE_S, then_exit: bool = False) -> No
         if helper.is_alive():
             log.debug("shardwise stop: the group's teardown waits on a peer; exiting now")
             exit_now(status)
-    if hosts and n > 1 and _stop is not None:
+    # (A library script's rank 0 that stopped first closed no socket: its peers learn only
+    # when it ends, so waiting for them to read would only delay that.)
+    if hosts and n > 1 and _stop is not None and (then_exit or _stop["rank"] != _my_rank):
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             seen = _store_call(lambda st: st.add(f"{key}/seen", 0))
