@@ -8,7 +8,7 @@ instead. `torch_env_from_slurm(environ)` translates one into the other, and
 
     srun python -m shardwise.cli train ...          # one task per rank, no torchrun
 
-joins one process group; `sw.init_distributed()` does the same by itself (engine/comm/slurm.py
+joins one process group; `sw.init_distributed()` does the same by itself (engine/comm/process_group.py
 holds the translation).
 
 Ray Train needs nothing here: its TorchTrainer starts the process group and sets the same
@@ -51,7 +51,7 @@ def topology(world: int, strategy: str, tp: int = 1,
 
     Nodes are counted as the launchers count them: WORLD_SIZE / LOCAL_WORLD_SIZE (the ranks
     one torchrun agent or one Slurm node started), which is also how HYBRID_SHARD finds its
-    node groups (engine/core/mesh.py).
+    node groups (engine/core/policies.py).
     """
     env = os.environ if environ is None else environ
     local = int(env.get("LOCAL_WORLD_SIZE") or world)

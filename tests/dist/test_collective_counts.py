@@ -103,7 +103,7 @@ def test_all_to_all_transport_issues_as_many_collectives_as_fsdp2(world: int,
 
 def test_debug_mode_adds_its_checks_and_the_comparison_sees_them() -> None:
     # The checks FSDP2 does not make live in SHARDWISE_DEBUG=1: there they are counted (the
-    # freeze check's all-reduce, a fingerprint all-gather per collective, engine/comm/debug.py),
+    # freeze check's all-reduce, a fingerprint all-gather per collective, engine/comm/work.py),
     # so the comparison above is one that can fail.
     counts = _run(2, [("shardwise", "small", True)], {"SHARDWISE_DEBUG": "1"})
     ours = _get(counts, "shardwise", "small")

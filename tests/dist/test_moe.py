@@ -1,5 +1,5 @@
 """Mixture of experts with routing that differs by rank ([Note: data-dependent units] in
-engine/core/containers.py, docs/moe.md)."""
+engine/core/context.py, docs/moe.md)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             largest = max(largest, local * orig)
             full_grads += p.numel * csize
             # Plus one "has a gradient" flag per parameter in each rank's row of the reduce
-            # buffer (engine/core/reduce.py, [Note: unused gradients]).
+            # buffer (engine/core/unit.py, [Note: unused gradients]).
             grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row + 1
             flag_count[cdtype] = flag_count.get(cdtype, 0) + 1
             if not direct:
@@ -147,7 +147,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     grads = 0
     for cdtype, n in grad_chunk.items():
         rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
-        # Only direct gradients with one rank in the world reduce nothing (engine/core/reduce.py
+        # Only direct gradients with one rank in the world reduce nothing (engine/core/unit.py
         # returns early): they are autograd's own, without flags. Any other group's
         # gradients are views of the packed buffer, one flag per parameter included.
         skipped = S * replicate_size == 1 and cdtype not in indirect

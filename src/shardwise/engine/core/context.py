@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     from .sharded_param import ShardedParam
 
 
-# -------------------- formerly core/inspect.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Looking inside a sharded model: its units, sharded parameters and per-model context.
-## The one way the rest of the package (checkpoints, observers, the explorer, the CLI) finds
+#
+# The one way the rest of the package (checkpoints, observers, the explorer, the CLI) finds
 # what the engine built, instead of reading engine attributes off modules.
 
 
@@ -96,16 +97,18 @@ def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
     return out
 
 
-# -------------------- formerly core/containers.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Containers of units: every member runs once per call of the module that holds them.
-## [Note: data-dependent units] Each rank's collectives follow from the module structure alone
+#
+# [Note: data-dependent units] Each rank's collectives follow from the module structure alone
 # ([Note: structure decides] in schedule.py): a unit gathers when its forward reaches it. A
 # model whose data decides which units run breaks that. The usual case is a mixture-of-experts
 # layer whose experts are sharded one unit each, in an `nn.ModuleList`: a rank that routes no
 # token to expert 3 never calls it, so it never joins the all-gather the other ranks issue for
 # it. Their collectives then pair with other ones: same-sized experts exchange each other's
 # rows (wrong numbers), others abort in the backend or hang.
-## No per-step agreement between ranks is paid to follow such models (FSDP2 pays none either).
+#
+# No per-step agreement between ranks is paid to follow such models (FSDP2 pays none either).
 # Instead, each rank checks its own calls, which needs no communication: the module holding a
 # `ModuleList`/`ModuleDict` of units (the *holder*: the MoE layer, the model's layer stack)
 # must call each member exactly once per call of its own, in any order. A member called a
@@ -114,11 +117,13 @@ def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
 # a `RuntimeError` naming the unit and the fix, and its peers, left waiting in a collective it
 # will not join, get a `CollectiveError` once it exits (or at the collective timeout). The
 # numbers never go wrong silently.
-## What keeps every rank's collectives alike whatever the routing: one unit per MoE layer (its
+#
+# What keeps every rank's collectives alike whatever the routing: one unit per MoE layer (its
 # experts plain modules inside it; an expert without tokens gets no gradient, and the reduce
-# buffer's flags keep that `None`, [Note: unused gradients] in reduce.py), or experts held as
+# buffer's flags keep that `None`, [Note: unused gradients] in unit.py), or experts held as
 # one 3-D parameter (torchtitan's grouped experts). docs/moe.md shows both.
-## Layer stacks whose order changes between steps, or a holder called several times in one
+#
+# Layer stacks whose order changes between steps, or a holder called several times in one
 # forward, are fine: only "once per holder call" is checked. Calls made while recomputing
 # (activation checkpointing) are not counted: the forward already was. Under SHARDWISE_DEBUG the
 # check stands aside: the collective fingerprints then name the first collective where the
@@ -221,17 +226,19 @@ def _collect(c: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool],
             _collect(m, f"{prefix}.{n}", is_unit, members)
 
 
-# -------------------- formerly core/freeze_check.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The freeze check (SHARDWISE_DEBUG=1): every rank must agree on which parameters require grad.
-## [Note: freeze check] A unit's gradient reduction packs only the parameters that require
+#
+# [Note: freeze check] A unit's gradient reduction packs only the parameters that require
 # grad (`FlatBucket.grad_params`), and the layout follows `requires_grad` changes the user
 # makes between steps (`Unit.follow_requires_grad`, at the root's forward). A change made on
 # one rank only (`blocks[0].attn.weight.requires_grad_(False)` on rank 1) gives the ranks
 # reductions of different sizes: gloo aborts the process ("Received data size doesn't match
 # expected size"), NCCL hangs or reads garbage.
-## A rank that changed nothing cannot know it should check, so the check is a collective every
+#
+# A rank that changed nothing cannot know it should check, so the check is a collective every
 # rank joins at every backward. That is a collective FSDP2 does not issue, so it runs only in
-# debug mode, with the other misuse checks (engine/comm/debug.py): at the first backward hook of a
+# debug mode, with the other misuse checks (engine/comm/work.py): at the first backward hook of a
 # grad-enabled forward, before any reduction, one all-reduce of a CRC of every parameter's
 # flag over the model's ranks. Every rank reads the same result, so either all go on or all
 # raise; on a mismatch one more exchange (on the error path only) names the units, counts and
@@ -317,12 +324,12 @@ class ModelContext:
         self.post_optim_event: object | None = None
         # CUDA: the side streams of [Note: streams] (None on CPU); made at the first forward.
         self.streams: Streams | None = None
-        # Holders of containers of units ([Note: data-dependent units] in containers.py).
+        # Holders of containers of units ([Note: data-dependent units] in context.py).
         self.containers: ContainerCheck | None = None
         # Under SHARDWISE_DEBUG: the freeze check is due at this backward's first hook.
         self._check_trainable = False
         # The groups the checks above agree over: the model's ranks ([Note: model group]
-        # in mesh.py), set at the first forward.
+        # in policies.py), set at the first forward.
         self.groups: list[Any] = [None]
 
     @classmethod
@@ -518,17 +525,19 @@ def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
         )
 
 
-# -------------------- formerly ext/model_group.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The ranks that run one model, and the model-level collectives over them.
-## [Note: model ranks] The engine's own checks run over a model's agreement groups ([Note:
-# model group] in mesh.py). So must the operations a user calls on the whole model: seeding
+#
+# [Note: model ranks] The engine's own checks run over a model's agreement groups ([Note:
+# model group] in policies.py). So must the operations a user calls on the whole model: seeding
 # and replicated buffers in `materialize`, the agreements and the writer of checkpoints,
 # exports and pretrained loads, `full_state_dict(rank0_only=True)`,
 # `load_full_state_dict(from_rank0=True)`, the grad scaler's found-inf flag. On a model
 # sharded on a subgroup (ranks {1, 2} of 3, a pipeline stage, a 2 x 2 HYBRID_SHARD mesh on 4
 # of 5 ranks) the world's collectives waited for ranks that never run the model, or met
 # another model's collective there, and "rank 0" may not run the model at all.
-## `ModelGroup` is the model's ranks (ascending; the *first rank* is where a model-level
+#
+# `ModelGroup` is the model's ranks (ascending; the *first rank* is where a model-level
 # operation sends from or writes: global rank 0 when the model runs on every rank) and its
 # agreement groups. A model on every rank has groups [None]: each operation below is then
 # the one world collective it was before, at the same cost. On a subgroup that one of the

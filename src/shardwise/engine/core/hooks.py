@@ -36,9 +36,10 @@ from .context import ModelContext
 from .events import now
 from .unit import Unit
 
-# -------------------- formerly core/traverse.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Find and replace the tensors inside a module's inputs and outputs.
-## Activations between units come in any shape a model likes: tuples, dicts, namedtuples,
+#
+# Activations between units come in any shape a model likes: tuples, dicts, namedtuples,
 # dataclasses (nested ones too), Hugging Face `ModelOutput`s. The hooks need every tensor in
 # them: to hook outputs for backward, to cast inputs and outputs under mixed precision, and to
 # mark inputs for the post-backward signal. torch's pytree treats a dataclass it was not told

@@ -22,9 +22,10 @@ from ..comm import collectives as C
 from ..comm.transport import Transport, transport_for
 from . import dtensor as DT
 
-# -------------------- formerly core/checks.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Argument checks shared by the public API: a bad value raises `ValueError` up front.
-## Every check names the parameter, shows the offending value (`repr`) and says what is
+#
+# Every check names the parameter, shows the offending value (`repr`) and says what is
 # allowed. They are pure and local (no collectives), so a function calls them first and a
 # mistake fails on every rank before any process group is touched. `bool` is refused where
 # an int or a number is meant: `True` passing as 1 hides a swapped argument.
@@ -402,9 +403,10 @@ def resolve_wrap_policy(policy: WrapPolicyLike, model: nn.Module) -> WrapPolicy 
     raise ValueError(f"auto_wrap_policy={policy!r} must be a string, a callable or None")
 
 
-# -------------------- formerly core/mesh.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The process groups a unit communicates over, from what the user passed.
-## `mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
+#
+# `mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
 # shard) is HYBRID_SHARD. Each mesh chooses its transport once (transport.py).
 
 
@@ -481,7 +483,7 @@ def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object
         if mesh is None:
             return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
         # The replicas are the mesh's ranks: ignoring it all-reduced over the world, which
-        # hung a model on a subgroup ([Note: model ranks] in model_group.py).
+        # hung a model on a subgroup ([Note: model ranks] in context.py).
         if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
             raise ValueError(f"NO_SHARD takes mesh=None (every rank) or a 1-D DeviceMesh of "
                              f"the ranks that replicate the model, got {mesh!r}")

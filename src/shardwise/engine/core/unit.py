@@ -6,9 +6,11 @@ HYBRID_SHARD, or only an all-reduce for NO_SHARD) to reduce gradients. State tra
 live in the unit and are checked at entry (see `ShardedState`); *when* they happen is decided by
 the step schedule (schedule.py). How bytes move is the mesh's transport (transport.py).
 
-This file holds the unit's state and layout; its gather half (unshard / wait_unshard /
-reshard) is unit_gather.py, its reduce half (reduce_grads / finish_reduce) unit_reduce.py,
-both mixins of `Unit`.
+This file holds `Unit` whole (its state and layout, its gather half: unshard / wait_unshard /
+reshard, its reduce half: reduce_grads / finish_reduce and no_sync accumulation) with what
+only it uses: the side streams ([Note: streams]), the buffer pool, the flat buckets, the
+packing of gradients, hpZ's kept rows, the extension parameters' packed all-gather and the
+reduction in flight (`PendingReduce`).
 """
 
 from __future__ import annotations
@@ -17,33 +19,33 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
 from ..comm import collectives as C
 from ..comm.process_group import block_group
 from ..comm.transport import Transport, transport_for
 from ..comm.work import Work
-from .events import Event, Span, now
-from .extension import ExtGather, pack, unpack
+from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
 from .policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
-from .schedule import ShardedState, TrainingState
+from .schedule import Schedule, ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
 if TYPE_CHECKING:
-    from ..api.state import ShardwiseState
-    from .context import ModelContext
     from .dtensor import TPContext
 
 
-# -------------------- formerly core/streams.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The side streams of one model on a GPU, and how the exposed wait on them is measured.
-## [Note: streams] On CUDA a unit's collectives run off the compute stream, as in FSDP2:
-## - the copy of the shards into the all-gather's send buffer runs on `copy_in`, and the
+#
+# [Note: streams] On CUDA a unit's collectives run off the compute stream, as in FSDP2:
+#
+# - the copy of the shards into the all-gather's send buffer runs on `copy_in`, and the
 #   all-gather itself on `all_gather` (waiting for the copy-in by an event), so a prefetch
 #   issued while unit i computes does not queue behind unit i's kernels;
 # - the reduce-scatter runs on `reduce_scatter`, after the compute stream packed the
@@ -53,9 +55,11 @@ if TYPE_CHECKING:
 # - the two all-gather streams wait for the compute stream once per step, at the root's
 #   forward (or for the event given to `set_post_optim_event`), so that the optimizer's
 #   updates of the shards are visible to the step's gathers and nothing later is waited for.
-## Pooled buffers cross streams, so `BufferPool` (buffers.py) records an event on the stream
+#
+# Pooled buffers cross streams, so `BufferPool` (unit.py) records an event on the stream
 # that releases a buffer and makes the stream that takes it next wait for that event.
-## On CPU none of this exists (`streams_for` returns None) and collectives run as before.
+#
+# On CPU none of this exists (`streams_for` returns None) and collectives run as before.
 
 
 class Streams:
@@ -115,14 +119,27 @@ class ExposedWait:
         return self.start.elapsed_time(self.end) / 1000.0
 
 
-# -------------------- formerly core/buffers.py --------------------
+class UnitContext(Protocol):
+    """What a unit reads of its model's context (context.py's ModelContext, which holds the
+    units and so is defined above this file): the schedule's phase, the event sinks, the
+    side streams and the step count."""
+
+    schedule: Schedule[Any]
+    sinks: list[EventSink]
+    streams: Streams | None
+    step: int
+
+
+# --------------------------------------------------------------------------------------------------
 # Reusable flat communication buffers.
-## All-gather outputs and reduce-scatter inputs are unit-sized and short-lived; allocating them
+#
+# All-gather outputs and reduce-scatter inputs are unit-sized and short-lived; allocating them
 # fresh for every unit of every step is pure allocator churn. A pool per (dtype, device) hands
 # out the smallest free buffer that is large enough (a slice of it) and takes it back when the
 # collective that used it has completed. At most two all-gathers and two reduce-scatters are in
 # flight, so the pool never holds more than a few unit-sized buffers.
-## On CUDA a buffer crosses streams ([Note: streams] in streams.py): the stream that releases it
+#
+# On CUDA a buffer crosses streams ([Note: streams] in unit.py): the stream that releases it
 # records an event, and the stream that takes it next waits for that event before using it.
 
 
@@ -177,9 +194,10 @@ class BufferPool:
         self.allocated_bytes = 0
 
 
-# -------------------- formerly core/bucket.py --------------------
+# --------------------------------------------------------------------------------------------------
 # A unit's flat layout per communication dtype (`FlatBucket`) and a gather in flight.
-## One all-gather and one reduction per bucket move all of its parameters ([Note: layout] in
+#
+# One all-gather and one reduction per bucket move all of its parameters ([Note: layout] in
 # sharded_param.py for one parameter's rows).
 
 
@@ -235,9 +253,10 @@ class PendingGather:
     done: Any = None
 
 
-# -------------------- formerly core/pack.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Gradients into a unit's reduce buffer: rank-major rows, zero-padded, pre-divided.
-## [Note: divide in the pack] A power-of-two divide is exact, so dividing each rank's gradient
+#
+# [Note: divide in the pack] A power-of-two divide is exact, so dividing each rank's gradient
 # before the sum gives the same bits as after it, and costs nothing inside the pack (one pass
 # instead of a separate one over the reduced shard). Other factors divide after the sum.
 
@@ -280,9 +299,10 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
         dst[full_ranks + 1 :].zero_()
 
 
-# -------------------- formerly core/hpz.py --------------------
+# --------------------------------------------------------------------------------------------------
 # hpZ: after forward, keep each parameter sharded over a block of k ranks, not all S.
-## [Note: hpZ] `fully_shard(m, reshard_after_forward=k)` with k a proper divisor of the
+#
+# [Note: hpZ] `fully_shard(m, reshard_after_forward=k)` with k a proper divisor of the
 # shard-group size S is FSDP2's int form (ZeRO++'s hierarchical partitioning). The shard
 # group is cut into S/k blocks of k consecutive ranks (FSDP2's `(S/k, k)` post-forward mesh;
 # this rank is number `shard_rank % k` of its block). After forward a unit keeps, of each
@@ -292,10 +312,12 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
 # rows and receives k times that, so the block's all-gather output is the full rank-major
 # buffer again, copied out exactly as a shard-group gather is. The post-backward reshard
 # returns to the 1/S shard; the reduce-scatter is over the whole shard group as before.
-## Per rank, backward's all-gather moves (k-1)/k of a unit's gathered bytes over k ranks
+#
+# Per rank, backward's all-gather moves (k-1)/k of a unit's gathered bytes over k ranks
 # (native: sends 1/k of them) instead of (S-1)/S over S ranks; between forward and backward
 # each rank holds 1/k of a unit's compute-dtype parameters instead of 1/S.
-## The kept rows are used only by the backward that follows: a gather outside backward (the
+#
+# The kept rows are used only by the backward that follows: a gather outside backward (the
 # next forward, an explicit `unshard()`) drops them and gathers the shards, which an optimizer
 # step may have changed since. A forward without grad mode (evaluation) reshards fully, and
 # so does a unit holding all-gather extension parameters (their hooks gather per parameter;
@@ -343,7 +365,7 @@ def enable(unit: Unit, k: int) -> None:
 
 
 def make(mesh: MeshInfo, k: int) -> Hpz:
-    """This rank's block of `k` ranks (the group is made once per block, comm/subgroups.py)."""
+    """This rank's block of `k` ranks (the group is made once per block, comm/process_group.py)."""
     S = mesh.shard_size
     assert 1 < k < S and S % k == 0, f"hpZ block {k} of a shard group of {S}"
     group = block_group(mesh.shard_group, k)
@@ -374,12 +396,94 @@ def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
     return kept
 
 
-# -------------------- formerly core/reduce.py --------------------
+# ---- the unit's extension all-gather ([Note: all-gather extensions] in sharded_param.py)
+
+
+def torch_mp(unit: Unit) -> TorchMP:
+    """The unit's mixed precision as FSDP2's class (what a 5-argument pre hook receives)."""
+    mp = unit.mp
+    if mp is None:
+        return TorchMP()
+    return TorchMP(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs)
+
+
+@dataclass
+class ExtGather:
+    """A unit's extension all-gather in flight: every extension parameter's inputs packed."""
+
+    params: list[ShardedParam]
+    numels: list[list[int]]  # per parameter, per input: elements in the input's dtype
+    dtypes: list[list[torch.dtype]]
+    split: list[int]  # per input: elements in the packed dtype (one rank's row)
+    send: torch.Tensor  # pooled (given back once waited for); the output itself when S == 1
+    out: torch.Tensor
+    work: Work
+    start: float
+    blocked: float = 0.0
+    done: Any = None  # CUDA: an event after the all-gather ([Note: streams])
+    pooled: bool = True  # False when S == 1: send and out are one fresh tensor
+
+
+def pack(unit: Unit, params: list[ShardedParam]) -> tuple[torch.Tensor, ExtGather]:
+    """Run the pre hooks, copy every input into one send buffer (bytes when dtypes differ).
+
+    Returns (the send row, the gather without its work) for the caller to issue.
+    """
+    with torch.no_grad():  # as FSDP2 calls them: what the hooks compute is not autograd's
+        mp = torch_mp(unit)
+        per = [p.ext.inputs(mp) for p in params]  # type: ignore[union-attr]
+    dtypes = [[t.dtype for t in ts] for ts in per]
+    numels = [[t.numel() for t in ts] for ts in per]
+    flat = [t for ts in per for t in ts]
+    dtype = flat[0].dtype
+    if len({t.dtype for t in flat}) > 1 or (dtype.is_floating_point and dtype.itemsize == 1):
+        # Mixed dtypes as bytes (FSDP2's rule); float8 too, which gloo cannot move (an
+        # all-gather copies bits, so bytes are the same gather).
+        dtype = torch.uint8
+        flat = [t.contiguous().view(torch.uint8) for t in flat]
+    split = [t.numel() for t in flat]
+    numel = sum(split)
+    S, device = unit.mesh.shard_size, unit.mesh.device
+    if S == 1:
+        send = out = torch.empty(numel, dtype=dtype, device=device)
+        pooled = False
+    else:
+        out = unit.pool.get(numel * S, dtype, device)
+        send = unit.transport.gather_buffer(numel, dtype, device, unit.pool)
+        pooled = True
+    with torch.no_grad():
+        torch.cat(flat, out=send[:numel])
+    pg = ExtGather(list(params), numels, dtypes, split, send, out, Work(None, out), 0.0,
+                   pooled=pooled)
+    return send, pg
+
+
+def unpack(unit: Unit, pg: ExtGather) -> None:
+    """The gathered rows into each parameter's outputs, then its post hook."""
+    S = unit.mesh.shard_size
+    views: list[torch.Tensor] = []
+    for p, numels, dtypes in zip(pg.params, pg.numels, pg.dtypes):
+        for o in p.ext.outputs_for(numels, dtypes, S, unit.mesh.device):  # type: ignore[union-attr]
+            v = o.view(S, -1)
+            views.append(v.view(torch.uint8) if pg.out.dtype is torch.uint8 else v)
+    rows = pg.out.view(S, -1)
+    # The outputs may be what autograd saved in forward (a post hook that returns them):
+    # refilling them in backward must not bump the version it checks (FSDP2 does the same).
+    live = tuple(v for v in views if not v.is_inference())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(live):
+        torch.split_with_sizes_copy(rows, pg.split, dim=1, out=views)
+    for p in pg.params:
+        p.ext.post()  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------------------------------
 # A unit's gradient reduction: pack, reduce-scatter, divide, write the shards.
-## The unit decides *that* its gradients reduce (unit_reduce.py, called by the schedule); this file
+#
+# The unit decides *that* its gradients reduce (unit.py, called by the schedule); this file
 # is *how*: one reduction per flat bucket, in flight as a `PendingReduce` until the schedule
 # finishes it, which writes the reduced rows into the sharded gradients. Every gradient is
-# copied into one rank-major buffer (pack.py) that the transport reduce-scatters.
+# copied into one rank-major buffer (unit.py) that the transport reduce-scatters.
 
 
 @dataclass
@@ -608,31 +712,156 @@ def _to_host(unit: Unit, grad: torch.Tensor, dtype: torch.dtype, host: torch.dev
     return pinned
 
 
-# -------------------- formerly core/unit_gather.py --------------------
-# One unit's gather half: unshard (issue the all-gather), wait_unshard (the full parameters
-# onto the modules), reshard (the shards back), with the extension parameters' packed gather
-# beside the plain buckets' ([Note: all-gather extensions] in extension.py).
-## A mixin of `Unit` (unit.py), which holds the state these methods move between.
+def _on(stream: Any) -> Any:
+    """Run the block on `stream` (CUDA), or where it runs now (None: CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-class UnitGather:
-    mesh: MeshInfo
-    pool: BufferPool
-    transport: Transport
-    ctx: ModelContext | None
-    state: ShardedState
-    training_state: TrainingState
-    params: list[ShardedParam]
-    ext_params: list[ShardedParam]
-    buckets: list[FlatBucket]
-    hpz: Hpz | None
-    post_forward: list[torch.Tensor | None] | None
-    copied: dict[str, int]
-    _gathers: list[PendingGather]
-    _ext_gather: ExtGather | None
-    _gather_size: int
+class Unit:
+    """The parameters of one `fully_shard` call: one all-gather per bucket to unshard, one
+    reduction per bucket after backward; `ShardedState` says which face the modules hold."""
 
-    # --- unshard / reshard -------------------------------------------------------------
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        params: list[ShardedParam],
+        mesh: MeshInfo,
+        reshard_after_forward: bool,
+        mp: MixedPrecisionPolicy | None,
+        pool: BufferPool,
+    ) -> None:
+        self.module = module
+        # Every module this unit was made for: several for the list form of fully_shard.
+        self.modules: list[nn.Module] = [module]
+        # FQN of the module within the root (filled in at lazy init; "" is the root).
+        self.name = name
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        # FSDP2's reshard_after_forward=None: the root keeps its parameters after forward
+        # (backward starts there); an explicit value applies to the root too.
+        self.auto_reshard_after_forward = True
+        self.mp = mp
+        # Where this unit's new shards live (set by fully_shard); read back by its state.
+        self.offload: CPUOffloadPolicy | None = None
+        self.pool = pool
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        # The per-model context (engine/core/context.py), set when this unit is sharded and
+        # replaced when a parent is sharded.
+        self.ctx: UnitContext | None = None
+        self.is_root = False
+        # False inside no_sync(): keep unsharded gradients and reduce them later.
+        self.requires_grad_sync = True
+        # A backward inside no_sync() kept gradients here that no reduction took since.
+        self.unsynced = False
+        # False: keep the full parameters after backward (set_reshard_after_backward).
+        self.reshard_after_backward = True
+        # Reduced gradients are divided by this (None: the data-parallel size, a mean).
+        self.grad_divide_factor: float | None = None
+        # FSDP2 module methods (sharded_module.py, sharded_module.py).
+        self.unshard_in_backward = True
+        self.force_sum_reduction = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: object | None = None
+        # How bytes move: the mesh's, or user collectives (set_custom_all_gather).
+        self.transport: Transport = mesh.transport
+        # api/state.py's ShardwiseState for this unit, made once on first ask (typed loosely:
+        # the core imports nothing from the API layer).
+        self.state_view: Any = None
+        self._gathers: list[PendingGather] = []
+        # The extension parameters' packed all-gather in flight ([Note: all-gather
+        # extensions] in sharded_param.py), beside the plain buckets' gathers.
+        self._ext_gather: ExtGather | None = None
+        self.ext_params: list[ShardedParam] = []
+        # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
+        # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
+        # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
+        # this side, reduce_out: the reduced shard into existing or cast sharded gradients).
+        self.copied: dict[str, int] = dict.fromkeys(
+            ("gather_in", "gather_out", "pack", "reduce_sum", "reduce_out"), 0)
+        # When the current forward/backward compute interval began (only with sinks).
+        self.t_compute = 0.0
+        self.buckets: list[FlatBucket] = []
+        # CUDA with CPU offload: events after this backward's non-blocking gradient copies
+        # to the host (unit.py), synchronized once at the end of backward.
+        self.offload_events: list[Any] = []
+        # hpZ ([Note: hpZ] in unit.py): the block of ranks forward reshards to (None: the
+        # whole shard group), and per bucket the rows kept between forward and backward.
+        self.hpz: Hpz | None = None
+        self.post_forward: list[torch.Tensor | None] | None = None
+        # Ranks of the all-gather last issued (the shard group, or the hpZ block): events.
+        self._gather_size = mesh.shard_size
+        # False (set_requires_all_reduce, HYBRID_SHARD): reduce-scatter, but keep the
+        # result here, per bucket, instead of all-reducing it across replicas; the next
+        # reduction that all-reduces adds it in (unit.py, [Note: deferred all-reduce]).
+        self.requires_all_reduce = True
+        self.partial_reduce: dict[int, torch.Tensor] = {}
+        self.params: list[ShardedParam] = []
+        self.set_params(params)
+
+    # --- parameters ------------------------------------------------------------------
+
+    def set_params(self, params: list[ShardedParam]) -> None:
+        """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
+        assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
+        self.params = list(params)
+        self.post_forward = None
+        assert not self.partial_reduce, "layout changes only without deferred reductions"
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.compute_dtype, []).append(p)
+        self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
+        self.ext_params = [p for p in self.params if p.ext is not None]
+        rd = self.mp.reduce_dtype if self.mp else None
+        # Communication dtype -> gradient reduction dtype, fixed by the layout.
+        self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
+
+    def follow_requires_grad(self) -> None:
+        """Take up `requires_grad` changes the user made since sharding (between steps).
+
+        The flag is read from the Parameter the module holds now (the sharded one, or the
+        unsharded one while the unit is unsharded) and copied to the other; the gradient
+        layout is rebuilt when any flag changed, so a frozen parameter gets no gradient, no
+        reduction and no optimizer update, and an unfrozen one trains.
+        """
+        changed = False
+        for p in self.params:
+            held = p.refs[0].module._parameters.get(p.refs[0].name)
+            want = held.requires_grad if held is not None else p.requires_grad
+            if want != p.requires_grad:
+                changed = True
+                p.set_requires_grad(want)
+        if changed:
+            self.reshard()
+            self.set_params(self.params)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether forward frees the full parameters: FSDP2's rule, where the root keeps
+        them unless reshard_after_forward was given explicitly."""
+        return self.reshard_after_forward and not (self.is_root
+                                                   and self.auto_reshard_after_forward)
+
+    @property
+    def label(self) -> str:
+        """How errors and debug fingerprints name this unit's collectives."""
+        return self.name or "<root>"
+
+    def emit(self, phase: str, collective: str, nbytes: int, start: float,
+              wait: float = 0.0, end: float | None = None) -> None:
+        ctx = self.ctx
+        if ctx is not None and ctx.sinks:
+            # The group the buffer was split over ([Note: communication bytes]).
+            group = ({"all_reduce": self.mesh.replicate_size,
+                      "all_gather": self._gather_size}.get(collective, self.mesh.shard_size)
+                     if collective else 0)
+            ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start,
+                       now() if end is None else end, ctx.step, wait, group)
+            for sink in ctx.sinks:
+                sink(ev)
+
+    # ---- the gather half: unshard / wait_unshard / reshard ----
 
     def unshard(self, async_op: bool = True) -> None:
         """Issue the all-gather (idempotent: no-op unless SHARDED)."""
@@ -693,7 +922,7 @@ class UnitGather:
 
     def _gather_extensions(self, async_op: bool, streams: Any) -> ExtGather:
         """The extension parameters' pre hooks and their one packed all-gather
-        ([Note: all-gather extensions] in extension.py)."""
+        ([Note: all-gather extensions] in sharded_param.py)."""
         start = now()
         with _on(streams and streams.copy_in):  # the hooks run where the copy-in does
             send, pg = pack(self, self.ext_params)
@@ -819,28 +1048,7 @@ class UnitGather:
         self.state = ShardedState.SHARDED
         self.emit("reshard", "", 0, start)
 
-
-def _on(stream: Any) -> Any:
-    """Run the block on `stream` (CUDA), or where it runs now (None: CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-# -------------------- formerly core/unit_reduce.py --------------------
-# One unit's reduce half: after its backward, reduce the gradients (reduce.py issues the
-# collectives and writes the sharded gradients), or keep them unsharded inside no_sync().
-## A mixin of `Unit` (unit.py), which holds the layout and the flags read here.
-
-
-class UnitReduce:
-    ctx: ModelContext | None
-    buckets: list[FlatBucket]
-    reduce_dtype_for: dict[torch.dtype, torch.dtype]
-    requires_grad_sync: bool
-    unsynced: bool
-    t_compute: float
-    offload_events: list[Any]
-
-    # --- gradients ----------------------------------------------------------------------
+    # ---- the reduce half: reduce_grads / finish_reduce, no_sync accumulation ----
 
     def has_unreduced_grads(self) -> bool:
         """Whether a gradient waits for a reduction (a pure question: nothing moves).
@@ -899,143 +1107,3 @@ class UnitReduce:
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
         finish_reduce(self, pr)
-
-
-class Unit(UnitGather, UnitReduce):
-    def __init__(
-        self,
-        module: nn.Module,
-        name: str,
-        params: list[ShardedParam],
-        mesh: MeshInfo,
-        reshard_after_forward: bool,
-        mp: MixedPrecisionPolicy | None,
-        pool: BufferPool,
-    ) -> None:
-        self.module = module
-        # Every module this unit was made for: several for the list form of fully_shard.
-        self.modules: list[nn.Module] = [module]
-        # FQN of the module within the root (filled in at lazy init; "" is the root).
-        self.name = name
-        self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward
-        # FSDP2's reshard_after_forward=None: the root keeps its parameters after forward
-        # (backward starts there); an explicit value applies to the root too.
-        self.auto_reshard_after_forward = True
-        self.mp = mp
-        # Where this unit's new shards live (set by fully_shard); read back by its state.
-        self.offload: CPUOffloadPolicy | None = None
-        self.pool = pool
-        self.state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
-        # The per-model context (engine/core/context.py), set when this unit is sharded and
-        # replaced when a parent is sharded.
-        self.ctx: ModelContext | None = None
-        self.is_root = False
-        # False inside no_sync(): keep unsharded gradients and reduce them later.
-        self.requires_grad_sync = True
-        # A backward inside no_sync() kept gradients here that no reduction took since.
-        self.unsynced = False
-        # False: keep the full parameters after backward (set_reshard_after_backward).
-        self.reshard_after_backward = True
-        # Reduced gradients are divided by this (None: the data-parallel size, a mean).
-        self.grad_divide_factor: float | None = None
-        # FSDP2 module methods (module_api.py, module_comm_api.py).
-        self.unshard_in_backward = True
-        self.force_sum_reduction = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: object | None = None
-        # How bytes move: the mesh's, or user collectives (set_custom_all_gather).
-        self.transport: Transport = mesh.transport
-        self.state_view: ShardwiseState | None = None
-        self._gathers: list[PendingGather] = []
-        # The extension parameters' packed all-gather in flight ([Note: all-gather
-        # extensions] in extension.py), beside the plain buckets' gathers.
-        self._ext_gather: ExtGather | None = None
-        self.ext_params: list[ShardedParam] = []
-        # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
-        # into the send buffer, gather_out: into the unsharded parameters, pack: gradients
-        # into the reduce buffer, reduce_sum: the local sum of a transport that reduces on
-        # this side, reduce_out: the reduced shard into existing or cast sharded gradients).
-        self.copied: dict[str, int] = dict.fromkeys(
-            ("gather_in", "gather_out", "pack", "reduce_sum", "reduce_out"), 0)
-        # When the current forward/backward compute interval began (only with sinks).
-        self.t_compute = 0.0
-        self.buckets: list[FlatBucket] = []
-        # CUDA with CPU offload: events after this backward's non-blocking gradient copies
-        # to the host (reduce.py), synchronized once at the end of backward.
-        self.offload_events: list[Any] = []
-        # hpZ ([Note: hpZ] in hpz.py): the block of ranks forward reshards to (None: the
-        # whole shard group), and per bucket the rows kept between forward and backward.
-        self.hpz: Hpz | None = None
-        self.post_forward: list[torch.Tensor | None] | None = None
-        # Ranks of the all-gather last issued (the shard group, or the hpZ block): events.
-        self._gather_size = mesh.shard_size
-        # False (set_requires_all_reduce, HYBRID_SHARD): reduce-scatter, but keep the
-        # result here, per bucket, instead of all-reducing it across replicas; the next
-        # reduction that all-reduces adds it in (reduce.py, [Note: deferred all-reduce]).
-        self.requires_all_reduce = True
-        self.partial_reduce: dict[int, torch.Tensor] = {}
-        self.params: list[ShardedParam] = []
-        self.set_params(params)
-
-    # --- parameters ------------------------------------------------------------------
-
-    def set_params(self, params: list[ShardedParam]) -> None:
-        """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
-        assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
-        self.params = list(params)
-        self.post_forward = None
-        assert not self.partial_reduce, "layout changes only without deferred reductions"
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for p in self.params:
-            by_dtype.setdefault(p.compute_dtype, []).append(p)
-        self.buckets = [FlatBucket(dtype, ps) for dtype, ps in by_dtype.items()]
-        self.ext_params = [p for p in self.params if p.ext is not None]
-        rd = self.mp.reduce_dtype if self.mp else None
-        # Communication dtype -> gradient reduction dtype, fixed by the layout.
-        self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
-
-    def follow_requires_grad(self) -> None:
-        """Take up `requires_grad` changes the user made since sharding (between steps).
-
-        The flag is read from the Parameter the module holds now (the sharded one, or the
-        unsharded one while the unit is unsharded) and copied to the other; the gradient
-        layout is rebuilt when any flag changed, so a frozen parameter gets no gradient, no
-        reduction and no optimizer update, and an unfrozen one trains.
-        """
-        changed = False
-        for p in self.params:
-            held = p.refs[0].module._parameters.get(p.refs[0].name)
-            want = held.requires_grad if held is not None else p.requires_grad
-            if want != p.requires_grad:
-                changed = True
-                p.set_requires_grad(want)
-        if changed:
-            self.reshard()
-            self.set_params(self.params)
-
-    @property
-    def reshards_after_forward(self) -> bool:
-        """Whether forward frees the full parameters: FSDP2's rule, where the root keeps
-        them unless reshard_after_forward was given explicitly."""
-        return self.reshard_after_forward and not (self.is_root
-                                                   and self.auto_reshard_after_forward)
-
-    @property
-    def label(self) -> str:
-        """How errors and debug fingerprints name this unit's collectives."""
-        return self.name or "<root>"
-
-    def emit(self, phase: str, collective: str, nbytes: int, start: float,
-              wait: float = 0.0, end: float | None = None) -> None:
-        ctx = self.ctx
-        if ctx is not None and ctx.sinks:
-            # The group the buffer was split over ([Note: communication bytes]).
-            group = ({"all_reduce": self.mesh.replicate_size,
-                      "all_gather": self._gather_size}.get(collective, self.mesh.shard_size)
-                     if collective else 0)
-            ev = Event(self.mesh.global_rank, self.name, phase, collective, nbytes, start,
-                       now() if end is None else end, ctx.step, wait, group)
-            for sink in ctx.sinks:
-                sink(ev)
