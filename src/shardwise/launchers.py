@@ -8,8 +8,8 @@ instead. `torch_env_from_slurm(environ)` translates one into the other, and
 
     srun python -m shardwise.cli train ...          # one task per rank, no torchrun
 
-joins one process group; `sw.init_distributed()` does the same by itself (engine/comm/process_group.py
-holds the translation).
+joins one process group; `sw.init_distributed()` does the same by itself
+(engine/comm/process_group.py holds the translation).
 
 Ray Train needs nothing here: its TorchTrainer starts the process group and sets the same
 variables before `train_func` runs, and `sw.init_distributed()` joins the group that exists

@@ -46,7 +46,8 @@ def _peak(peaks: PhasePeaks) -> int:
 
 
 def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
-    """(shard size, replicate size), as engine/core/policies.py's `mesh_for_strategy` builds them."""
+    """(shard size, replicate size), as `mesh_for_strategy` (engine/core/policies.py)
+    builds them."""
     if strategy is ShardingStrategy.NO_SHARD:
         return 1, world
     if strategy is ShardingStrategy.HYBRID_SHARD:
