@@ -84,17 +84,22 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, i: int, stacked: bool, nested: bool = False, twice: bool = False
-                 ) -> None:
+    def __init__(self, i: int, stacked: bool, nested: bool = False, twice: bool = False,
+                 frozen: bool = False) -> None:
         super().__init__()
         self.i = i
         self.twice = twice
+        self.frozen = frozen
         self.norm = nn.LayerNorm(D)
         self.moe = MoE(stacked, nested)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Layer 0 routes by id % E, layer 1 by (id // E) % E: the data decides both.
         route = (ids if self.i == 0 else ids // E) % E
+        if self.frozen and self.i == 0:
+            # The MoE's input needs no gradient (a frozen embedding): its experts' inputs
+            # neither, so they reduce in the final callback.
+            return h + self.moe(h, route)
         h = h + self.moe(self.norm(h), route)
         if self.twice:  # the same MoE layer called again in one forward
             h = h + self.moe(self.norm(h), (route + 1) % E)
@@ -102,18 +107,27 @@ class Layer(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, stacked: bool = False, nested: bool = False, twice: bool = False
-                 ) -> None:
+    """`frozen`: the embedding frozen, layer 0's MoE fed by it; `rounds`: the layer stack run
+    that many times per forward (a container whose members each run several times per
+    call of their holder)."""
+
+    def __init__(self, stacked: bool = False, nested: bool = False, twice: bool = False,
+                 frozen: bool = False, rounds: int = 1) -> None:
         super().__init__()
+        self.rounds = rounds
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer(i, stacked, nested, twice) for i in range(2))
+        self.layers = nn.ModuleList(Layer(i, stacked, nested, twice, frozen)
+                                    for i in range(2))
         self.head = nn.Linear(D, VOCAB)
+        if frozen:
+            self.embed.weight.requires_grad_(False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         h = self.embed(flat)
-        for layer in self.layers:
-            h = layer(h, flat)
+        for _ in range(self.rounds):
+            for layer in self.layers:
+                h = layer(h, flat)
         return self.head(h)
 
 
@@ -172,8 +186,8 @@ def _shard_hand(m: nn.Module, units: str) -> None:
 
 
 def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...],
-             balanced: bool = False, nested: bool = False, twice: bool = False
-             ) -> dict[str, object]:
+             balanced: bool = False, nested: bool = False, twice: bool = False,
+             frozen: bool = False, rounds: int = 1) -> dict[str, object]:
     """Parity (parameters and gradients) of the hand-written MoE for each way of sharding
     it in `cases`, and the schedule's decisions in its first two steps (which unit gathers,
     waits, reshards, reduces, in order), for the ranks to compare."""
@@ -183,7 +197,8 @@ def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...],
     for units in cases:
         stacked = units.startswith("stacked")
         logs: list[list[tuple[str, str]]] = []
-        out[units] = run_parity(rank, world, lambda s=stacked: Net(s, nested, twice),
+        out[units] = run_parity(rank, world,
+                                lambda s=stacked: Net(s, nested, twice, frozen, rounds),
                                 lambda m, u=units: _shard_hand(m, u), batch, _loss,
                                 steps=3, per_rank=PER_RANK, what=f"hand MoE {units}",
                                 grads=True, between_steps=lambda s, m, r, logs=logs:

@@ -52,6 +52,24 @@ def test_per_expert_units_skipped_by_routing_match_unsharded(world: int, shape: 
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shape", ["frozen", "rounds"])
+def test_per_expert_units_reduced_late_or_in_rounds(world: int, shape: str) -> None:
+    # "frozen": layer 0's MoE gets a frozen embedding's output, so no expert's post-backward
+    # runs in backward: every rank reduces its experts in the final callback, in reverse
+    # forward order, the skipped ones too. "rounds": the layer stack runs twice per forward
+    # (a holder calling its container's members again): two rounds on every rank.
+    frozen, rounds = shape == "frozen", 2 if shape == "rounds" else 1
+    results = run_distributed(M.hand_moe, world, False, ("experts", "experts+layers"), False,
+                              False, False, frozen, rounds, **FAST)
+    for units in ("experts", "experts+layers"):
+        logs = [r[f"{units}/log"] for r in results]
+        for r, log in enumerate(logs[1:], start=1):
+            assert log == logs[0], (units, r, log, logs[0])
+        reduces = sum(1 for what, u in logs[0][1] if what == "reduce" and "experts" in u)
+        assert reduces == 2 * M.E * rounds, (units, logs[0][1])
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_per_expert_units_every_rank_runs_match_unsharded(world: int) -> None:
     # Every rank routes tokens to every expert: no stand-in, the same parity.
     run_distributed(M.hand_moe, world, False, ("experts+layers",), True, **FAST)
