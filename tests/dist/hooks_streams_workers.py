@@ -18,7 +18,6 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
