@@ -489,7 +489,8 @@ class ModelContext:
         # write through `.data`): the full parameters are stale. Decided alike on every
         # rank: a rank whose shard is empty sees no change where the others do, and a
         # reshard on some ranks only would gather on those alone.
-        kept = [u for u in self.units if u.state is ShardedState.UNSHARDED]
+        kept = [u for u in self.units
+                if u.state is ShardedState.UNSHARDED and u.kept_needs_value_check()]
         if kept:
             stale = C.max_over([int(u.shards_changed_since_gather()) for u in kept],
                                self.groups, label="stale gathered parameters")
@@ -519,8 +520,7 @@ class ModelContext:
         """Root final callback: every gradient reduced, every unit sharded."""
         self.schedule.end_backward()
         for u in self.units:
-            if u.offload_events:
-                u.settle_offload()
+            u.settle()
         self._final_queued = False
 
     def reset_iter_state(self) -> None:

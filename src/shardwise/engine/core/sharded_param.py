@@ -281,6 +281,9 @@ class ShardedParam:
         # Direct parameters keep their gradient in place: (tensor, version) of the one last
         # handed to a reduction, so that an untouched gradient is not reduced twice.
         self._handed: tuple[weakref.ref[torch.Tensor], int] | None = None
+        # A direct parameter's post-accumulate-grad hooks, set aside from its gradient's
+        # accumulation until the reduced gradient is written (hide_post_accumulate_hooks).
+        self._hidden_hooks: dict[Any, Any] = {}
         if self.subclass:
             padded = self._subclass_shard(param)
         else:
@@ -537,6 +540,39 @@ class ShardedParam:
         """Make `rows` (plain, shaped like `local`) the sharded gradient."""
         face = self.from_rows(rows)
         self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
+
+    # ---- post-accumulate-grad hooks ([Note: post-accumulate-grad hooks] in unit.py) ----
+
+    def post_accumulate_hooks(self) -> dict[Any, Any]:
+        """The hooks registered on the sharded parameter (`register_post_accumulate_grad_hook`),
+        those set aside while a direct parameter's local gradient accumulates included."""
+        return self._hidden_hooks or getattr(self.sharded, "_post_accumulate_grad_hooks",
+                                             None) or {}
+
+    def hide_post_accumulate_hooks(self) -> None:
+        """A direct parameter is what autograd accumulates into, so autograd would run its
+        hooks on the local, unreduced gradient: set them aside until the reduced one is
+        written (`run_post_accumulate_hooks`). The dict stays the tensor's own (autograd
+        holds it; a handle's remove() still finds it), emptied meanwhile."""
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            self._hidden_hooks.update(hooks)
+            hooks.clear()
+
+    def run_post_accumulate_hooks(self) -> None:
+        """The reduced sharded gradient is written: run the hooks on the sharded parameter,
+        as FSDP2 does (a direct parameter's only when set aside: otherwise autograd ran them
+        on a gradient that needed no reduction)."""
+        if self.direct:
+            if not self._hidden_hooks:
+                return
+            hooks = self.sharded._post_accumulate_grad_hooks
+            hooks.update(self._hidden_hooks)
+            self._hidden_hooks.clear()
+        else:
+            hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(self.sharded)
 
     # ---- tensor-subclass shards (NF4, float8) and their all-gather hooks ----
 

@@ -49,7 +49,13 @@ if TYPE_CHECKING:
 #   all-gather itself on `all_gather` (waiting for the copy-in by an event), so a prefetch
 #   issued while unit i computes does not queue behind unit i's kernels;
 # - the reduce-scatter runs on `reduce_scatter`, after the compute stream packed the
-#   gradients (the gradients are freed on the stream that made them);
+#   gradients (the gradients are freed on the stream that made them); under HYBRID_SHARD
+#   the all-reduce across replicas follows at once on `all_reduce`, waiting for the
+#   reduce-scatter by an event (FSDP2's order), and the compute stream waits for it;
+# - hpZ's kept rows ([Note: hpZ]) are written on the compute stream after forward and read
+#   by `copy_in` in backward: an event recorded after the write is waited by `copy_in`
+#   before the read, and the rows are recorded on `copy_in` (`record_stream`) so that
+#   freeing them after the gather does not hand their memory out before the read ran;
 # - the compute stream waits for a gather or a reduction by an event (`wait_event`), never the
 #   host: no host-device sync that FSDP2 does not make;
 # - the two all-gather streams wait for the compute stream once per step, at the root's
@@ -63,13 +69,15 @@ if TYPE_CHECKING:
 
 
 class Streams:
-    """FSDP2's three communication streams on one CUDA device (high priority)."""
+    """FSDP2's communication streams on one CUDA device (high priority)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_in: Any = torch.cuda.Stream(device=device, priority=-1)
         self.all_gather: Any = torch.cuda.Stream(device=device, priority=-1)
         self.reduce_scatter: Any = torch.cuda.Stream(device=device, priority=-1)
+        # HYBRID_SHARD: the all-reduce across replicas, right after the reduce-scatter.
+        self.all_reduce: Any = torch.cuda.Stream(device=device, priority=-1)
 
     def step_starts(self, event: Any = None) -> None:
         """The root's forward: the gathers may read what the compute stream (or the
@@ -373,7 +381,23 @@ def make(mesh: MeshInfo, k: int) -> Hpz:
     return Hpz(k, group, transport_for(group), rows, (mesh.shard_rank % k) * rows)
 
 
-def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
+@dataclass
+class KeptRows:
+    """What hpZ keeps from forward to backward: per bucket, this rank's block rows."""
+
+    rows: list[torch.Tensor | None]  # (rows * numel,) in the compute dtype; None: empty
+    # CUDA: an event on the compute stream after the rows were written ([Note: streams]).
+    written: Any = None
+
+    def hand_to(self, stream: Any, rows: torch.Tensor) -> None:
+        """`stream` reads `rows` next: it waits for their write, and the allocator keeps
+        their memory until that read ran, wherever the last reference is dropped."""
+        if self.written is not None:
+            stream.wait_event(self.written)
+        rows.record_stream(stream)
+
+
+def keep(unit: Unit, hpz: Hpz) -> KeptRows:
     """Per bucket, this rank's rows of the gathered layout, copied out of the unsharded
     parameters before they are freed: (rows * numel,) in the compute dtype."""
     lo, hi = hpz.first_row, hpz.first_row + hpz.rows
@@ -393,7 +417,9 @@ def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
                 for p, off in zip(g.gathered, g.offsets):
                     p.rows_into(out[:, off: off + p.chunk_numel], lo)
             kept.append(out.view(-1))
-    return kept
+    device = unit.mesh.device
+    written = record(torch.cuda.current_stream(device)) if device.type == "cuda" else None
+    return KeptRows(kept, written)
 
 
 # ---- the unit's extension all-gather ([Note: all-gather extensions] in sharded_param.py)
@@ -494,16 +520,21 @@ class PendingReduce:
     out: torch.Tensor
     work: Work
     start: float
-    # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
-    complete: bool = True
+    # Indices (into the bucket's grad_params) of the parameters this rank had no gradient
+    # for: only their counts can be 0 ([Note: unused gradients]); empty: no count is read.
+    missing: tuple[int, ...] = ()
     # What is left to divide by after the sum (1: the pack divided already, [Note: divide
     # in the pack]).
     post: float = 1.0
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
-    # CUDA: an event after the reduce-scatter on its own stream ([Note: streams]).
+    # CUDA: an event after the reduce-scatter (HYBRID_SHARD: and the all-reduce after it),
+    # each on its own stream ([Note: streams]).
     done: Any = None
+    # HYBRID_SHARD on CUDA: the all-reduce across replicas was issued right after the
+    # reduce-scatter, so finishing only waits for it.
+    all_reduced: bool = False
 
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
@@ -529,8 +560,8 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
         return None  # one rank, no casts: the gradients already are the result
     start = now()
     dtype = unit.reduce_dtype_for[g.dtype]
-    complete = all(x is not None for x in grads)
-    flags = _flags(unit, g, grads, dtype, complete)
+    # Which parameters this rank has no gradient for: known on the host, never read back.
+    missing = tuple(i for i, x in enumerate(grads) if x is None)
     k = len(g.grad_params)
     width = g.grad_numel + k
     # With S == 1 the packed buffer becomes the gradients: not pooled.
@@ -541,7 +572,11 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
         pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
         p.drop_local_grad()
-    rows[:, g.grad_numel :].copy_(flags)
+    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
+    # a zero column per missing gradient (no host list copied to the device).
+    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, mesh.device))
+    for i in missing:
+        rows[:, g.grad_numel + i].zero_()
     unit.copied["pack"] += send.numel() * send.element_size()
     if S > 1:
         out = torch.empty(width, dtype=dtype, device=mesh.device)
@@ -556,12 +591,24 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
                 work = unit.transport.reduce_scatter(out, send, False, unit.pool,
                                                      label=unit.label)
                 done = record(rs)
-            return PendingReduce(unit, g, send, out, work, start, complete, post, done=done)
+            all_reduced = mesh.replicate_size > 1 and unit.requires_all_reduce
+            if all_reduced:
+                # HYBRID_SHARD: the all-reduce across replicas on its own stream, right
+                # after the reduce-scatter (FSDP2's order), not later on the compute stream.
+                ar = streams.all_reduce
+                ar.wait_event(done)
+                with torch.cuda.stream(ar):
+                    out = _take_deferred(unit, g, out)
+                    work = C.all_reduce(out, mesh.replicate_group, async_op=False,
+                                        label=unit.label)
+                    done = record(ar)
+            return PendingReduce(unit, g, send, out, work, start, missing, post, done=done,
+                                 all_reduced=all_reduced)
         work = unit.transport.reduce_scatter(out, send, True, unit.pool, label=unit.label)
-        return PendingReduce(unit, g, send, out, work, start, complete, post)
+        return PendingReduce(unit, g, send, out, work, start, missing, post)
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
-    return PendingReduce(unit, g, None, send, work, start, complete, post)
+    return PendingReduce(unit, g, None, send, work, start, missing, post)
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -586,17 +633,21 @@ def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
     return scale, (1.0 if scale is not None else factor)
 
 
-def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
-           complete: bool) -> torch.Tensor:
-    """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
-    if complete:
-        return g.all_flags(dtype, unit.mesh.device)
-    return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype,
-                        device=unit.mesh.device)
+# [Note: post-accumulate-grad hooks] Hooks registered on a sharded parameter
+# (`param.register_post_accumulate_grad_hook`, PyTorch's optimizer-in-backward recipe) run
+# as FSDP2 runs them: once per reduction, on the sharded parameter, right after its reduced
+# gradient is written (after the copy to the host under CPU offload, which then blocks:
+# the hook reads the gradient at once). Autograd never accumulates into a sharded parameter
+# (the modules compute with the unsharded one), so it would never run them. A direct
+# parameter (NO_SHARD without casts) is the one autograd accumulates into, and autograd
+# would run them on the local, unreduced gradient: its gather sets them aside until the
+# reduced gradient is written (ShardedParam.hide_post_accumulate_hooks). A gradient this
+# rank had none for runs them at the end of backward, if some rank computed it (UnsureGrads).
 
 
 def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
-    """Wait for a reduction and write the result into the sharded gradients."""
+    """Wait for a reduction, write the result into the sharded gradients and run their
+    post-accumulate-grad hooks ([Note: post-accumulate-grad hooks])."""
     if pr.done is not None:
         ctx = unit.ctx
         waited = ExposedWait(pr.done, bool(ctx and ctx.sinks)).seconds
@@ -613,11 +664,14 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         unit.emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
         unit.pool.release(pr.send)
-        if mesh.replicate_size > 1:
+        if pr.all_reduced:
+            # Issued on its own stream right after the reduce-scatter ([Note: streams]).
+            unit.emit("all_reduce", "all_reduce", nbytes, pr.start, 0.0)
+        elif mesh.replicate_size > 1:
             if not unit.requires_all_reduce:
                 _defer(unit, pr, out)
                 return
-            out = _take_deferred(unit, pr, out)
+            out = _take_deferred(unit, pr.bucket, out)
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
             # Synchronous: the whole call is exposed.
@@ -625,8 +679,6 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     elif mesh.replicate_size > 1:
         unit.emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
     n_grad = pr.bucket.grad_numel
-    # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
-    counts = None if pr.complete else out[n_grad:].tolist()
     # The mean over ranks of each rank's mean loss gradient: what the pack did not divide
     # yet is divided now (divide()).
     hook = unit.all_reduce_hook
@@ -636,16 +688,21 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         out[:n_grad].div_(pr.post)
     if hook is not None and not unit.force_sum_reduction:
         _run_hook(unit, hook, out[:n_grad])
+    missing = set(pr.missing)
     with torch.no_grad():
         for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
-            if counts is not None and counts[i] == 0:
-                continue  # no rank computed it: the gradient stays as it was (None)
             n = p.local_rows * p.row_numel
             grad = out[off : off + n].view(p.local.shape)
             have = p.shard_grad
+            hooked = p.post_accumulate_hooks()
             if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                grad = _to_host(unit, grad, p.orig_dtype, p.host_device, have is None)
+                grad = _to_host(unit, grad, p, have is None, bool(hooked))
                 unit.copied["reduce_out"] += n * grad.element_size()
+            if i in missing:
+                # Its count may be 0 (no rank computed it): read once, at the end of backward.
+                unit.unsure.note(p, have is None, out[n_grad + i : n_grad + i + 1])
+            else:
+                unit.unsure.used(p)
             if p.direct or have is None:
                 # Direct params accumulated locally; the reduced sum replaces it.
                 p.set_shard_grad(grad)
@@ -653,6 +710,54 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
                     p.mark_reduced()
             else:
                 have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+            if i not in missing:
+                p.run_post_accumulate_hooks()
+
+
+@dataclass
+class UnsureGrads:
+    """[Note: unused gradients] without a host read per bucket: the gradients this rank had
+    none for, written from the reduction like the others, with their counts kept on the
+    device. At the end of backward (`Unit.settle`) the counts are read once, in one copy:
+    where no rank computed the gradient it goes back to `None` (if it was `None` before this
+    backward), and where some rank did, its post-accumulate-grad hooks run. Only buckets
+    where this rank missed a gradient put anything here (per-layer MoE units whose expert
+    got no tokens on this rank); FSDP2 cannot run that case at all (a size mismatch)."""
+
+    # id(param) -> [param, was None before this backward, its count tensors, whether this
+    # rank computed it in another reduction of this backward]
+    entries: dict[int, list[Any]] = field(default_factory=dict)
+    # Parameters this rank had a gradient for in some reduction of this backward.
+    seen: set[int] = field(default_factory=set)
+
+    def note(self, p: ShardedParam, was_none: bool, count: torch.Tensor) -> None:
+        e = self.entries.setdefault(id(p), [p, was_none, [], id(p) in self.seen])
+        e[2].append(count.clone())
+
+    def used(self, p: ShardedParam) -> None:
+        self.seen.add(id(p))
+        e = self.entries.get(id(p))
+        if e is not None:
+            e[3] = True  # it has a gradient whatever the counts; its hooks ran then
+
+    def settle(self) -> None:
+        entries = [e for e in self.entries.values() if not e[3]]
+        self.clear()
+        if not entries:
+            return
+        counts = torch.cat([c for e in entries for c in e[2]]).tolist()  # the one host read
+        at = 0
+        for p, was_none, cs, _ in entries:
+            total, at = sum(counts[at : at + len(cs)]), at + len(cs)
+            if total == 0:
+                if was_none:
+                    p.sharded.grad = None  # no rank computed it: `None`, as unsharded
+            else:
+                p.run_post_accumulate_hooks()
+
+    def clear(self) -> None:
+        self.entries = {}
+        self.seen = set()
 
 
 def _defer(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> None:
@@ -671,8 +776,8 @@ def _defer(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> None:
         have.add_(out)
 
 
-def _take_deferred(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> torch.Tensor:
-    have = unit.partial_reduce.pop(id(pr.bucket), None)
+def _take_deferred(unit: Unit, bucket: FlatBucket, out: torch.Tensor) -> torch.Tensor:
+    have = unit.partial_reduce.pop(id(bucket), None)
     if have is not None:
         out.add_(have)
     return out
@@ -691,25 +796,36 @@ def _run_hook(unit: Unit, hook: Callable[[torch.Tensor], None],
     dev.current_stream().wait_stream(stream)
 
 
-def _to_host(unit: Unit, grad: torch.Tensor, dtype: torch.dtype, host: torch.device,
-             fresh: bool) -> torch.Tensor:
+def offload_copy(pin_memory: bool, fresh: bool, hooked: bool) -> tuple[bool, bool]:
+    """How a reduced gradient goes device -> host under CPU offload: (into pinned memory,
+    without blocking). FSDP2's rule: only into pinned memory (`CPUOffloadPolicy(pin_memory=
+    True)`) may the copy run without blocking, and only when nothing on the host reads the
+    gradient inside backward: not when it adds to an existing gradient, not when a
+    post-accumulate-grad hook will read it (optimizer-in-backward)."""
+    return pin_memory, pin_memory and fresh and not hooked
+
+
+def _to_host(unit: Unit, grad: torch.Tensor, p: ShardedParam, fresh: bool,
+             hooked: bool) -> torch.Tensor:
     """The reduced gradient in the master dtype on the shard's device.
 
-    CPU offload on a GPU: copied device -> host without blocking, into pinned memory, and
-    an event recorded after the copy; the unit synchronizes on its events once, at the end
-    of backward (`Unit.settle_offload`), as FSDP2 does, instead of one blocking copy per
-    parameter inside backward. A gradient accumulated into one that exists already must be
-    there now, so that copy blocks.
+    CPU offload on a GPU: copied device -> host without blocking where `offload_copy` allows,
+    and an event recorded after the copy; the unit synchronizes on its events once, at the
+    end of backward (`Unit.settle`), as FSDP2 does, instead of one blocking copy per
+    parameter inside backward.
     """
+    dtype, host = p.orig_dtype, p.host_device
     grad = grad.to(dtype)
     if grad.device == host:
         return grad
-    if not (fresh and grad.is_cuda and host.type == "cpu"):
+    pinned, non_blocking = offload_copy(p.pin_memory, fresh, hooked)
+    if not (grad.is_cuda and host.type == "cpu"):
         return grad.to(host)
-    pinned = torch.empty(grad.shape, dtype=dtype, device=host, pin_memory=True)
-    pinned.copy_(grad, non_blocking=True)
-    unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
-    return pinned
+    dst = torch.empty(grad.shape, dtype=dtype, device=host, pin_memory=pinned)
+    dst.copy_(grad, non_blocking=non_blocking)
+    if non_blocking:
+        unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
+    return dst
 
 
 def _on(stream: Any) -> Any:
@@ -786,10 +902,16 @@ class Unit:
         # CUDA with CPU offload: events after this backward's non-blocking gradient copies
         # to the host (unit.py), synchronized once at the end of backward.
         self.offload_events: list[Any] = []
+        # Gradients this rank had none for, written from a reduction whose count is read at
+        # the end of backward ([Note: unused gradients], UnsureGrads).
+        self.unsure = UnsureGrads()
+        # Each parameter's sharded-Parameter version when the unit was last gathered: an
+        # in-place write through it since (every rank runs it) makes the gathered copy stale.
+        self._gathered_versions: list[int] = []
         # hpZ ([Note: hpZ] in unit.py): the block of ranks forward reshards to (None: the
         # whole shard group), and per bucket the rows kept between forward and backward.
         self.hpz: Hpz | None = None
-        self.post_forward: list[torch.Tensor | None] | None = None
+        self.post_forward: KeptRows | None = None
         # Ranks of the all-gather last issued (the shard group, or the hpZ block): events.
         self._gather_size = mesh.shard_size
         # False (set_requires_all_reduce, HYBRID_SHARD): reduce-scatter, but keep the
@@ -867,6 +989,10 @@ class Unit:
         """Issue the all-gather (idempotent: no-op unless SHARDED)."""
         if self.state is not ShardedState.SHARDED:
             return
+        # FSDP2 asks each shard for its all-gather hooks at every gather: hooks patched onto
+        # a shard after the first forward gather from the next one on.
+        if any([p.refresh_extension() for p in self.params]):
+            self.set_params(self.params)
         S, transport = self.mesh.shard_size, self.transport
         # [Note: hpZ] The rows kept after forward serve the backward that follows only.
         kept, self.post_forward = self.post_forward, None
@@ -892,7 +1018,11 @@ class Unit:
                 shard = send[:n]
                 with torch.no_grad():
                     if kept is not None:
-                        shard.copy_(kept[i], non_blocking=True)  # type: ignore[arg-type]
+                        rows = kept.rows[i]
+                        assert rows is not None
+                        if streams is not None:
+                            kept.hand_to(streams.copy_in, rows)
+                        shard.copy_(rows, non_blocking=True)
                     else:
                         # Casts to the compute dtype and, under offload, copies host -> device.
                         torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
@@ -954,6 +1084,11 @@ class Unit:
 
     def wait_unshard(self) -> None:
         """Make the full parameters available on the modules (gathering first if needed)."""
+        if self.mesh.dp_size > 1:
+            # [Note: post-accumulate-grad hooks]: not on a direct parameter's local gradient.
+            for p in self.params:
+                if p.direct:
+                    p.hide_post_accumulate_hooks()
         if self.state is ShardedState.UNSHARDED:
             return
         if self.state is ShardedState.SHARDED:
@@ -993,6 +1128,7 @@ class Unit:
         for p in self.params:
             for ref in p.refs:
                 ref.module._parameters[ref.name] = p.unsharded
+        self._gathered_versions = [p.sharded._version for p in self.params]
         self.state = ShardedState.UNSHARDED
 
     def _finish_extensions(self, pg: ExtGather) -> None:
@@ -1006,6 +1142,26 @@ class Unit:
         if pg.pooled:
             self.pool.release(pg.out)
             self.emit("all_gather", "all_gather", nbytes, pg.start, waited + pg.blocked)
+
+    def kept_needs_value_check(self) -> bool:
+        """Still gathered at a forward's start: reshard now if a write to the shards is known
+        on the host; else whether the shards must be compared by value with the peers'
+        (`shards_changed_since_gather`, one small all-reduce in context.py).
+
+        Known on the host, and alike on every rank (each runs the same code on its
+        DTensor): an in-place write through the sharded Parameter (a for-loop optimizer, a
+        `no_grad` update, `load_state_dict`) bumps its version. Not compared: between the
+        micro-batches of an accumulation (gradients kept unreduced by no_sync, or an HSDP
+        all-reduce deferred), where an update would step from unreduced gradients, FSDP2's
+        recipe (`set_reshard_after_backward(False)` with `set_requires_gradient_sync(False)`)
+        then pays exactly FSDP2's collectives and no host sync.
+        """
+        if self.state is not ShardedState.UNSHARDED:
+            return False
+        if [p.sharded._version for p in self.params] != self._gathered_versions:
+            self.reshard()
+            return False
+        return not (self.unsynced or self.partial_reduce)
 
     def shards_changed_since_gather(self) -> bool:
         """Unsharded, and some shard was written since it was gathered: this rank's rows of
@@ -1097,12 +1253,14 @@ class Unit:
             pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
         return [pr for pr in pending if pr is not None]
 
-    def settle_offload(self) -> None:
-        """Wait for the gradient copies to the host (CPU offload on a GPU): the optimizer
-        steps them on the host next."""
+    def settle(self) -> None:
+        """The end of backward: wait for the gradient copies to the host (CPU offload on a
+        GPU: the optimizer steps them on the host next), and settle the gradients this rank
+        had none for (UnsureGrads: one read of their counts, only when there are any)."""
         for ev in self.offload_events:
             ev.synchronize()
         self.offload_events.clear()
+        self.unsure.settle()
 
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for a reduction and write the result into the sharded gradients."""
