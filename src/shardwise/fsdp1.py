@@ -720,11 +720,36 @@ def _set_optim(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, An
     target = _dcp_model(model)
     raw = {clean_name(n): n for n, _ in target.named_parameters()}
     osd = _rename(osd or {}, lambda k: raw.get(k, k))
+    if osd and not full:
+        params = dict(target.named_parameters())
+        osd["state"] = {k: {n: _from_sharded_tensor(v, params.get(k), k) for n, v in s.items()}
+                        for k, s in osd["state"].items()}
     if from_rank0 and C.rank() != 0:
         osd = {}
     set_optimizer_state_dict(target, optim, osd, options=StateDictOptions(
         full_state_dict=full, broadcast_from_rank0=from_rank0))
     return optim.state_dict()
+
+
+def _from_sharded_tensor(value: Any, p: Any, fqn: str) -> Any:
+    """A ShardedTensor (what DCP's `load_sharded_optimizer_state_dict` builds, FSDP1's
+    sharded form; Lightning and Accelerate load with it) as the DTensor of parameter `p`:
+    both chunk dim 0 as torch.chunk does, so this rank's shard is the same rows."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, ShardedTensor) or p is None or not DT.is_dtensor(p):
+        return value
+    shards = value.local_shards()
+    local = shards[0].tensor if shards else torch.empty(0, *p.shape[1:], dtype=value.dtype)
+    mine = DT.local_of(p)
+    if tuple(local.shape) != tuple(mine.shape):
+        raise ValueError(
+            f"optimizer state of {fqn}: the ShardedTensor's local shard has shape "
+            f"{tuple(local.shape)}, this rank's shard of the parameter {tuple(mine.shape)} "
+            f"({p.placements}); load a FULL_STATE_DICT optimizer state instead")
+    return DTensor.from_local(local.to(mine.device), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _rename(osd: dict[str, Any], fn: Any) -> dict[str, Any]:
