@@ -22,6 +22,33 @@ from tests.dist.hf_trainer_workers import _data, _fsdp_on_cpu
 from tests.hf_models import build
 
 STEPS = 3
+# Above the gradient norms (about 1.3): no clipping. On this CPU run the grad norm the Trainer
+# logs and clips with under FSDP1 is each rank's own shard norm (rank 0 1.014, rank 1 0.847
+# at step 1; shardwise 1.3215 on both, the square root of the sum of their squares), so
+# FSDP1's ranks would clip by different coefficients. The test checks that relation.
+MAX_NORM = 100.0
+
+
+@contextlib.contextmanager
+def _cpu_device_id() -> Any:
+    """Accelerate passes `device_id=torch.device("cpu", 0)` on CPU, which FSDP1 refuses as
+    inconsistent with its compute device `cpu`: hand either engine `cpu`. Accelerate (and
+    FSDP1's own auto wrapping) read the class from this module when they run."""
+    import torch.distributed.fsdp.fully_sharded_data_parallel as home
+
+    engine_cls = home.FullyShardedDataParallel  # FSDP1's, or shardwise's if patched
+
+    class OnCPU(engine_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+            if isinstance(device_id, torch.device) and device_id.type == "cpu":
+                device_id = torch.device("cpu")
+            super().__init__(*args, device_id=device_id, **kwargs)
+
+    home.FullyShardedDataParallel = OnCPU
+    try:
+        yield
+    finally:
+        home.FullyShardedDataParallel = engine_cls
 
 
 def _trainer(engine: str, folder: str, resume: str | None) -> dict[str, Any]:
@@ -29,18 +56,19 @@ def _trainer(engine: str, folder: str, resume: str | None) -> dict[str, Any]:
 
     args = TrainingArguments(
         output_dir=f"{folder}/{engine}", per_device_train_batch_size=2, max_steps=STEPS,
-        learning_rate=1e-2, max_grad_norm=1.0, seed=0, logging_steps=1, report_to=[],
+        learning_rate=1e-2, max_grad_norm=MAX_NORM, seed=0, logging_steps=1, report_to=[],
         save_strategy="steps", save_steps=2, dataloader_num_workers=0, use_cpu=True,
         fsdp="full_shard",
         fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                     "state_dict_type": "SHARDED_STATE_DICT", "use_orig_params": True})
+                     "state_dict_type": "SHARDED_STATE_DICT", "use_orig_params": True,
+                     "sync_module_states": False, "cpu_ram_efficient_loading": False})
     switch = sw.patched_fsdp1() if engine == "shardwise" else contextlib.nullcontext()
-    with _fsdp_on_cpu(), switch:
+    with _fsdp_on_cpu(), switch, _cpu_device_id():
         torch.manual_seed(0)
         trainer = Trainer(model=build("llama"), args=args, train_dataset=_data())
         trainer.train(resume_from_checkpoint=resume)
         model = trainer.model_wrapped
-        wrapper = type(model).__module__
+        wrapper = type(model).__mro__[1].__module__  # under _cpu_device_id's subclass
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import StateDictType
 
@@ -68,6 +96,11 @@ def trainer_fsdp1(rank: int, world: int, folder: str) -> dict[str, Any]:
             "fsdp1": a["logs"], "shardwise": b["logs"], "wrappers": (a["wrapper"], b["wrapper"]),
             "params": max((a["params"][k] - b["params"][k]).abs().max().item()
                           for k in a["params"])}
+    # A resumed run ends where the uninterrupted one does, on each engine.
+    for engine, (first, resumed) in runs.items():
+        out[f"{engine}: resume vs train"] = max(
+            (first["params"][k] - resumed["params"][k]).abs().max().item()
+            for k in first["params"])
     return out
 
 
