@@ -26,9 +26,11 @@ from ..core.policies import (
     ShardingStrategy,
     WrapPolicy,
     WrapPolicyLike,
+    check_fsdp1_ignored_classes,
     check_module,
     check_params,
     check_shard_placement,
+    fsdp1_buffer_dtype,
     mesh_for_strategy,
     mesh_info_for,
     resolve_wrap_policy,
@@ -456,13 +458,23 @@ def shard_model(
     mesh: object | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
+    """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root.
+
+    Each knob also takes PyTorch's FSDP1 object with FSDP1's meaning: its ShardingStrategy
+    (`_HYBRID_SHARD_ZERO2` included), the policies of `torch.distributed.fsdp.wrap` and
+    callables with FSDP1's `(module, recurse, nonwrapped_numel)` signature, MixedPrecision
+    (a field shardwise cannot honour is refused by name) and CPUOffload.
+    """
     check_module("model", model)
     ignored = mark_ignored(check_params("ignored_params", ignored_params))
     strategy = ShardingStrategy.parse(sharding_strategy)
+    # FSDP1's MixedPrecision casts the root's inputs and the others' by separate fields.
     mp = MixedPrecisionPolicy.parse(mixed_precision)
+    root_mp = MixedPrecisionPolicy.parse(mixed_precision, root=True)
+    buffer_dtype = fsdp1_buffer_dtype(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload)
-    policy = resolve_wrap_policy(auto_wrap_policy, model)
+    policy = resolve_wrap_policy(auto_wrap_policy, model, ignored)
+    check_fsdp1_ignored_classes(mixed_precision, model, policy)
     targets = wrap_targets(model, policy)
     # TP ([Note: FSDP x TP]): the dp mesh is checked before any group is made.
     tp = context_for(model, mesh)
@@ -470,16 +482,30 @@ def shard_model(
         raise ValueError("sharding_strategy=NO_SHARD with tensor-parallel parameters is not "
                          "supported: use FULL_SHARD or SHARD_GRAD_OP with mesh=mesh['dp']")
     info = mesh_info_for(mesh_for_strategy(strategy, mesh))
-    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    reshard = ShardingStrategy.reshards_after_forward(sharding_strategy)
+    if buffer_dtype is not None:
+        _cast_buffers(model, buffer_dtype, ignored)
     # Ownership for the whole model at once, by the rule the planner uses (fully_shard.py): no
     # unit takes a tied parameter that a parent would then have to re-home.
     owned = {spec.name: set(spec.ids) for spec in assign_params(model, targets, ignored)}
     for name, m in [*targets, ("", model)]:
         if own_unit(m) is not None:
             raise ValueError(f"{name or type(m).__name__!r} is already sharded")
-        build_unit(m, info, reshard, mp, offload, ignored, owned[name], tp)
+        build_unit(m, info, reshard, root_mp if m is model else mp, offload, ignored,
+                   owned[name], tp)
     return model
 
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored: set[int]) -> None:
+    """FSDP1's `buffer_dtype`: floating-point buffers compute in it (those of modules whose
+    parameters are all ignored keep theirs, as FSDP1's ignored modules do)."""
+    for m in model.modules():
+        params = list(m.parameters(recurse=False))
+        if params and all(id(p) in ignored for p in params):
+            continue
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
 
 def reshard_between_steps(model: nn.Module, what: str) -> None:
     """Reshard every unit so that writing the shards takes effect on the next forward.
