@@ -65,7 +65,7 @@ TRAIN_CASES = [
     train("train.grad_clip", "-1", "train.grad_clip=-1.0 must be >= 0"),
     train("train.seed", "x", "train.seed='x' is not a valid int"),
     train("train.eval_interval", "-1", "train.eval_interval=-1 must be >= 0"),
-    train("train.eval_batches", "0", "train.eval_batches=0 must be > 0"),
+    train("train.eval_batches", "-1", "train.eval_batches=-1 must be >= 0"),
     train("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore' is not one of: stop, skip"),
     train("train.max_skipped_steps", "-1", "train.max_skipped_steps=-1 must be >= 0"),
     train("shard.sharding_strategy", "ZERO3", "shard.sharding_strategy='ZERO3' is not one of: "

@@ -191,7 +191,9 @@ class TrainSection:
     grad_clip: clip the global gradient norm to this (0: no clipping, the norm is still logged).
     seed: seed of the model's initialization.
     eval_interval: steps between validation passes (0: only at the end).
-    eval_batches: micro-batches per rank per validation pass.
+    eval_batches: 0 (the default): each validation pass covers the whole evaluation set, every
+        counted token once across ranks; N > 0: only its first N batches per rank (a fixed
+        sample, the same every pass), for an evaluation set too large to cover.
     on_nonfinite: on a non-finite loss or gradient norm: stop (exit 3, naming the step) or
         skip (drop that optimizer step; see docs/training.md).
     max_skipped_steps: with on_nonfinite=skip, stop once more than this many steps in a row
@@ -216,7 +218,7 @@ class TrainSection:
     grad_clip: float = 1.0
     seed: int = 0
     eval_interval: int = 100
-    eval_batches: int = 8
+    eval_batches: int = 0
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
@@ -224,9 +226,9 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         _typed("train", self)
-        _positive("train", self, "batch_size", "grad_accum", "lr", "eval_batches")
+        _positive("train", self, "batch_size", "grad_accum", "lr")
         _positive("train", self, "steps", "epochs", "warmup_steps", "weight_decay", "grad_clip",
-                  "eval_interval", "max_skipped_steps", zero_ok=True)
+                  "eval_interval", "max_skipped_steps", "eval_batches", zero_ok=True)
         _check((self.steps > 0) != (self.epochs > 0),
                f"train.steps={self.steps} and train.epochs={self.epochs}: give one of them "
                "(the run's length in optimizer steps, or in passes over the training data)")
