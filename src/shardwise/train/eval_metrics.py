@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 
