@@ -234,6 +234,11 @@ def plan_one(
                          "model's context length (pass batch_size and seq_len for another)")
         else:
             notes.append(f"seq_len: the model's context length, {context}")
+    elif seq_len is not None and batch_size is None:
+        # The documented default (--help: batch 1 unless --batch-size is given).
+        batch_size = 1
+        notes.append(f"activations and time for batch 1 x {seq_len} tokens per rank (pass "
+                     "batch_size for another)")
     if host_offload:
         notes.append("CPU offload: parameters, gradients and optimizer state live in host "
                      "memory (host_bytes); the device holds gathered units and activations")
@@ -259,9 +264,6 @@ def plan_one(
     elif acts is None and batch_size:
         notes.append(f"batch_size={batch_size} without seq_len (the model has no context "
                      "length): activations and time unknown; pass seq_len")
-    elif acts is None and seq_len:
-        notes.append(f"seq_len={seq_len} without batch_size: activations and time unknown; "
-                     "pass batch_size")
     elif acts is None:
         notes.append("no batch_size and seq_len, and no context length to assume: "
                      "activations and time unknown")
