@@ -258,7 +258,8 @@ class Trainer:
         self.count_until = (self.start + max(cfg.log.event_steps, 3)
                             if cfg.log.event_steps >= 0 else self.end)
         self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
-        self.metrics = open_metric_log(cfg, self.run_dir, self.world) if self.rank == 0 else None
+        self.metrics = (open_metric_log(cfg, self.run_dir, self.world, self.start)
+                        if self.rank == 0 else None)
         self.best = BestKeeper(self.run_dir, cfg.checkpoint.best, bool(cfg.lora.rank))
         self.val_loss = math.nan
         self.losses: list[float] = []  # applied steps only
