@@ -112,9 +112,9 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tok
 
 
-def data_files(path: str | Path) -> list[Path]:
+def data_files(path: str | Path, option: str = "data.path") -> list[Path]:
     """The files of `data.path`: the file itself, or every file under the folder, sorted by
-    path (hidden files and folders skipped)."""
+    path (hidden files and folders skipped). `option`: the option named in errors."""
     p = Path(path).expanduser()
     if p.is_file():
         return [p]
@@ -123,8 +123,8 @@ def data_files(path: str | Path) -> list[Path]:
             part.startswith(".") for part in q.relative_to(p).parts) and not _dataset_meta(q))
         if files:
             return files
-        raise ValueError(f"data.path={str(path)!r} is a folder with no files")
-    raise ValueError(f"data.path={str(path)!r} does not exist")
+        raise ValueError(f"{option}={str(path)!r} is a folder with no files")
+    raise ValueError(f"{option}={str(path)!r} does not exist")
 
 
 def _dataset_meta(f: Path) -> bool:
