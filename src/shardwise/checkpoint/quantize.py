@@ -99,8 +99,10 @@ def targets(model: nn.Module, spec: NF4) -> dict[str, ShardedParam]:
             f"over {S} ranks: NF4 splits a weight only evenly, and each rank's rows must hold "
             f"whole scaler blocks (dim 0 divisible by the ranks, rows/rank x columns a "
             f"multiple of block_size x scaler_block_size = {spec.whole}). Use another number "
-            f"of ranks, smaller blocks (sw.NF4(block_size=..., scaler_block_size=...)), or "
-            f"leave those modules in the model's dtype (sw.NF4(skip=...))")
+            f"of ranks, smaller blocks (sw.NF4(block_size=..., scaler_block_size=...); "
+            f"shardwise train: --model.nf4_block_size / --model.nf4_scaler_block_size), or "
+            f"leave those modules in the model's dtype (sw.NF4(skip=...); shardwise train: "
+            f"--model.nf4_skip)")
     if not out:
         raise ValueError("quantize=nf4 found no frozen nn.Linear weight to quantize: freeze "
                          "the base first (peft's get_peft_model does), or load without it")

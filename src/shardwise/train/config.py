@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from .config_outputs import CheckpointSection, LogSection, LoraSection
@@ -45,6 +46,13 @@ class ModelSection:
     quantize: "" or nf4 (QLoRA; needs model.hf and lora.rank): the frozen base's linear
         weights, all but lm_head, held as torchao NF4 (4 bits) quantized from model.dtype,
         each rank quantizing its own rows; embeddings, norms and lm_head stay in model.dtype.
+    nf4_block_size: with quantize=nf4: values per NF4 scaler (torchao's block_size; an even
+        int, default 64). Each rank's shard of a weight must hold a multiple of
+        nf4_block_size x nf4_scaler_block_size values: smaller blocks fit more world sizes.
+    nf4_scaler_block_size: with quantize=nf4: scalers per quantization factor (torchao's
+        scaler_block_size; an even int, default 256).
+    nf4_skip: with quantize=nf4: linear modules kept in model.dtype, comma-separated names
+        (a full module name or its last parts: "lm_head,mlp.down_proj").
     """
 
     preset: str = "small"
@@ -55,9 +63,13 @@ class ModelSection:
     hf: str = ""
     dtype: str = "fp32"
     quantize: str = ""
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+    nf4_skip: str = "lm_head"
 
     def __post_init__(self) -> None:
         _typed("model", self)
+        self.nf4()  # refuses odd or tiny block sizes, naming the option
         _choice("model", "preset", self.preset, tuple(PRESETS))
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
         _choice("model", "dtype", self.dtype, DTYPES)
@@ -76,6 +88,16 @@ class ModelSection:
             self.seq_len()  # raises if block_size exceeds the model's positions
         else:
             self.gpt()  # raises if the overrides make an impossible shape
+
+    def nf4(self) -> Any:
+        """The NF4 spec of a QLoRA run (checkpoint.quantize.NF4) from the model.nf4_* options."""
+        from ..checkpoint.quantize import NF4
+
+        try:
+            return NF4(self.nf4_block_size, self.nf4_scaler_block_size,
+                       tuple(n.strip() for n in self.nf4_skip.split(",") if n.strip()))
+        except ValueError as e:
+            raise ValueError(str(e).replace("NF4.", "model.nf4_")) from None
 
     def seq_len(self) -> int:
         """The length of the training sequences."""

@@ -18,7 +18,7 @@ from torch import nn
 import shardwise as sw
 
 from .config import Config
-from .qlora import SPEC, init_adapters
+from .qlora import init_adapters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE = -100  # a target the loss does not count (prompt tokens, padding)
@@ -97,7 +97,7 @@ def build_hf(cfg: Config) -> nn.Module:
     # QLoRA: the frozen base linears become NF4 as they load (qlora.py), each rank
     # quantizing its own rows; the plain shards materialize made are dropped.
     sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank,
-                       quantize=SPEC if cfg.model.quantize else None)
+                       quantize=cfg.model.nf4() if cfg.model.quantize else None)
     return model
 
 
