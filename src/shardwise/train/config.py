@@ -105,17 +105,26 @@ class ModelSection:
             return self.gpt().block_size
         from .hf_folder import max_positions
 
-        most = max_positions(self.hf)
-        if not self.block_size:
-            return min(1024, most)
-        _check(self.block_size <= most, f"model.block_size={self.block_size} exceeds the "
-               f"model's max_position_embeddings={most} (model.hf={self.hf!r})")
-        return self.block_size
+        return training_length(self.block_size, max_positions(self.hf), f"model.hf={self.hf!r}")
 
     def gpt(self) -> GPTConfig:
         overrides = {k: getattr(self, k) for k in ("n_layer", "d_model", "n_head", "block_size")
                      if getattr(self, k)}
         return preset(self.preset, **overrides)
+
+
+HF_SEQ_LEN = 1024  # a Hugging Face model's training sequences, unless model.block_size says
+
+
+def training_length(block_size: int, positions: int, source: str) -> int:
+    """The training sequence length of a Hugging Face model with `positions` positions:
+    model.block_size, or the smaller of HF_SEQ_LEN and the model's positions (a Qwen2's
+    131,072-token context is what it can read, not what a fine-tune trains on)."""
+    if not block_size:
+        return min(HF_SEQ_LEN, positions)
+    _check(block_size <= positions, f"model.block_size={block_size} exceeds the "
+           f"model's max_position_embeddings={positions} ({source})")
+    return block_size
 
 
 @dataclass
