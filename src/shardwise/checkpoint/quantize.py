@@ -67,7 +67,10 @@ def resolve(quantize: object) -> NF4 | None:
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    return any(name == s or name.endswith("." + s) for s in skip)
+    # peft wraps an adapted linear: its frozen weight is `<name>.base_layer`'s, which the
+    # user names as the module they adapt (`q_proj`, not `q_proj.base_layer`).
+    names = {name, name.removesuffix(".base_layer")}
+    return any(n == s or n.endswith("." + s) for n in names for s in skip)
 
 
 def frozen_linears(model: nn.Module, spec: NF4) -> list[tuple[str, nn.Linear]]:

@@ -50,9 +50,12 @@ DEQUANT_INDEX_BYTES = 8  # the int64 codes, two arrays of numel / 2
 DEQUANT_COPIES = 3  # values in the model's dtype alive at the peak, per weight value
 
 
-def dequant_bytes(numel: int, dtype: torch.dtype) -> int:
-    """Peak bytes of dequantizing an NF4 weight of `numel` values held in `dtype`."""
-    return numel * (DEQUANT_INDEX_BYTES + DEQUANT_COPIES * _size(dtype))
+def dequant_bytes(numel: int, dtype: torch.dtype, compute: torch.dtype | None = None) -> int:
+    """Peak bytes of dequantizing an NF4 weight of `numel` values held in `dtype`, plus its
+    cast to the `compute` dtype (mixed precision: torchao dequantizes in the weight's own
+    dtype, then casts)."""
+    cast = _size(compute) if compute is not None and compute != dtype else 0
+    return numel * (DEQUANT_INDEX_BYTES + DEQUANT_COPIES * _size(dtype) + cast)
 
 
 def parse_optimizer(value: str) -> str:
@@ -152,7 +155,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             frozen += sum(held.values())
             gather[torch.uint8] = gather.get(torch.uint8, 0) + moved
             unsharded += S * moved
-            dequant = max(dequant, dequant_bytes(p.numel, p.dtype))
+            compute = mp.param_dtype if mp and mp.param_dtype else p.dtype
+            dequant = max(dequant, dequant_bytes(p.numel, p.dtype, compute))
             direct_all = False
             continue
         orig = _size(p.dtype)

@@ -352,6 +352,10 @@ def plan_one(
     elif interconnect is not None:
         link_names = interconnect if isinstance(interconnect, str) else interconnect.name
 
+    if time is not None and per_rank.frozen_bytes:
+        notes.append("time as for training every weight: a fine-tune computes no gradient "
+                     "for its frozen weights (about a third of the matmul FLOPs less) and "
+                     "dequantizes an NF4 base in every linear (not timed)")
     comm = T.comm_volume(colls)
     tpc = None
     if tp > 1 and mu.shape is not None:

@@ -52,7 +52,7 @@ def table(p: Plan) -> list[str]:
     """The chosen strategy, term by term, with the verdict and what would fit instead."""
     r = p.per_rank
     if r.frozen_bytes:  # a fine-tune: the frozen base apart from what trains
-        base = "NF4" if r.dequant_bytes else "as stored"
+        base = "NF4 linears" if r.dequant_bytes else "as stored"
         params = [(f"frozen base (sharded, {base})", r.frozen_bytes),
                   ("trained parameters (sharded)", r.params_bytes - r.frozen_bytes)]
     else:

@@ -70,6 +70,10 @@ class ModelSection:
     def __post_init__(self) -> None:
         _typed("model", self)
         self.nf4()  # refuses odd or tiny block sizes, naming the option
+        bad = [t for t in (n.strip() for n in self.nf4_skip.split(","))
+               if t and not all(p.isidentifier() for p in t.split("."))]
+        _check(not bad, f"model.nf4_skip={self.nf4_skip!r} is not allowed: give "
+               "comma-separated module names such as lm_head,mlp.down_proj")
         _choice("model", "preset", self.preset, tuple(PRESETS))
         _positive("model", self, "n_layer", "d_model", "n_head", "block_size", zero_ok=True)
         _choice("model", "dtype", self.dtype, DTYPES)

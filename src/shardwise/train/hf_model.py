@@ -34,7 +34,7 @@ def _lora_config(lo: LoraSection, base: str) -> Any:
 
     return LoraConfig(r=lo.rank, lora_alpha=lo.scale(), lora_dropout=lo.dropout,
                       target_modules=lo.target_list(), task_type="CAUSAL_LM",
-                      base_model_name_or_path=base)
+                      base_model_name_or_path=base or None)
 
 
 def check_targets(model: nn.Module, targets: list[str], given: str = "") -> None:
