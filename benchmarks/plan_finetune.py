@@ -1,7 +1,7 @@
 """`shardwise plan` of a LoRA / QLoRA fine-tune beside the same run measured (2 gloo ranks).
 
-    .venv/bin/python benchmarks/plan_finetune.py [--world 2] [--layers 8] [--hidden 1024]
-        [--mlp 2048] [--positions 256] [--steps 3] [--out benchmarks/results/plan-finetune.json]
+    .venv/bin/python benchmarks/plan_finetune.py [--world 2] [--layers 4] [--hidden 1024]
+        [--mlp 2048] [--positions 128] [--steps 2] [--out benchmarks/results/plan-finetune.json]
 
 The folder is a Llama config (vocab 512, untied head) saved with `save_pretrained` (fp32)
 into a temporary folder, with a tokenizer trained here. Each row is one `shardwise train
@@ -62,12 +62,12 @@ def planned(folder: str, options: dict[str, str], world: int, batch: int | None)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--mlp", type=int, default=2048)
-    ap.add_argument("--positions", type=int, default=256,
+    ap.add_argument("--positions", type=int, default=128,
                     help="max_position_embeddings: the run's training length (<= 1024)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import torch

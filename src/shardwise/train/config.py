@@ -226,9 +226,11 @@ class TrainSection:
     grad_clip: clip the global gradient norm to this (0: no clipping, the norm is still logged).
     seed: seed of the model's initialization.
     eval_interval: steps between validation passes (0: only at the end).
-    eval_batches: 0 (the default): each validation pass covers the whole evaluation set, every
-        counted token once across ranks; N > 0: only its first N batches per rank (a fixed
-        sample, the same every pass), for an evaluation set too large to cover.
+    eval_batches: N > 0: each validation pass evaluates the first N batches per rank of a
+        fixed seeded order (a sample, the same every pass; 8, the built-in GPT's default:
+        covering its 3,125 held-out sequences every 100 steps made `make run` 26-30% slower);
+        0: the whole evaluation set, every counted token once across ranks (the default with
+        model.hf). The run's header says which.
     on_nonfinite: on a non-finite loss or gradient norm: stop (exit 3, naming the step) or
         skip (drop that optimizer step; see docs/training.md).
     max_skipped_steps: with on_nonfinite=skip, stop once more than this many steps in a row
@@ -253,7 +255,7 @@ class TrainSection:
     grad_clip: float = 1.0
     seed: int = 0
     eval_interval: int = 100
-    eval_batches: int = 0
+    eval_batches: int = 8
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False

@@ -9,7 +9,7 @@ of the logits) is the target.
 [Note: evaluation set] The evaluation set's samples (the byte split's windows and its tail;
 a Hugging Face run's validation samples in a fixed seeded order, packed tail included) are
 dealt to the data-parallel ranks in global batches of batch_size x ranks: batch b gives rank
-r the samples (b * ranks + r) * batch_size onwards. train.eval_batches = 0 (the default)
+r the samples (b * ranks + r) * batch_size onwards. train.eval_batches = 0 (model.hf's default)
 takes every sample once: the last batch is filled with copies of sample 0 whose targets do
 not count, so every rank runs the same forwards (each is a collective) and every counted
 token of the set is counted exactly once, at any world size. eval_batches = N > 0 takes the
