@@ -34,9 +34,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/shardwise train
 
+# Test files run side by side on TEST_JOBS pytest-xdist workers ([Note: parallel files] in
+# tests/conftest.py): much of a multi-process test is start-up and waiting between ranks, so
+# two workers keep a 2-core machine busier. TEST_JOBS=0 runs them one after another.
+TEST_JOBS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=25 tests
 
 # `make test-fast`: ruff and a quick tier for a time-limited CI: the unit tests but the slow
 # ones (CLI subprocesses, torchrun launches, multi-rank property runs; deselected by node-id

@@ -11,7 +11,7 @@ load falls on both alike.
 
 Prints the median and mean step time each way, and the host time the default path still
 spends in checks per step: the container check ([Note: data-dependent units] in
-engine/core/containers.py: a counter per unit call inside a holder, a set comparison when the
+engine/core/context.py: a counter per unit call inside a holder, a set comparison when the
 holder returns). The GPT's blocks sit in an nn.ModuleList under the root, so its root is a
 holder; the mlp has none. No check of the default path is a collective.
 """

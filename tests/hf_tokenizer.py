@@ -32,6 +32,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# The same layout with `{% generation %}` blocks around each assistant reply and its <|end|>
+# (what TRL's assistant_only_loss and transformers' return_assistant_tokens_mask read). The
+# newline is an expression: transformers renders with trim_blocks, which drops a newline
+# written right after a block tag.
+MARKED_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m['content'] }}<|end|>{% endgeneration %}{{ '\\n' }}{% else %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def corpus() -> str:
     """About 60 KB of Python and prose from the standard library, the same on every run."""

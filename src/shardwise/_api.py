@@ -26,6 +26,8 @@ from .engine.core.policies import (
 from .engine.ext.grad_norm import clip_grad_norm_
 from .engine.ext.materialize import materialize
 from .engine.ext.mixed_precision import ShardedGradScaler, precision_plan
+from .fsdp1 import FullyShardedDataParallel
+from .fsdp1_patch import patch_fsdp1, patched_fsdp1
 from .fsdp2_patch import patch_fsdp2, patched_fsdp2
 from .observe.overlap import OverlapReport
 from .observe.trace import Trace, trace

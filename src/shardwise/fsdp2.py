@@ -4,9 +4,10 @@
     from shardwise.fsdp2 import fully_shard, MixedPrecisionPolicy          # shardwise
 
 `FSDPModule` is torch's own class: shardwise's sharded modules are instances of it
-([Note: FSDPModule identity], engine/api/module_api.py), so `isinstance(m, FSDPModule)` checks in
-frameworks hold with either import. The policies are torch's classes too (fully_shard
-accepts them and shardwise's own); docs/porting.md lists every name and its status.
+([Note: FSDPModule identity], engine/api/sharded_module.py), so
+`isinstance(m, FSDPModule)` checks in frameworks hold with either import. The policies are
+torch's classes too (fully_shard accepts them and shardwise's own); docs/porting.md lists
+every name and its status.
 """
 
 from __future__ import annotations

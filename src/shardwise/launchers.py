@@ -55,7 +55,7 @@ def topology(world: int, strategy: str, tp: int = 1,
 
     Nodes are counted as the launchers count them: WORLD_SIZE / LOCAL_WORLD_SIZE (the ranks
     one torchrun agent or one Slurm node started), which is also how HYBRID_SHARD finds its
-    node groups (engine/core/mesh.py).
+    node groups (engine/core/policies.py).
     """
     env = os.environ if environ is None else environ
     local = int(env.get("LOCAL_WORLD_SIZE") or world)

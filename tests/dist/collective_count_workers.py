@@ -223,3 +223,117 @@ def step_counts(rank: int, world: int, runs: list[tuple[str, str, bool]]
 
 def key(system: str, preset: str, native: bool) -> str:
     return f"{system}/{preset}/{'native' if native else 'all_to_all'}"
+
+
+# --- issue 41 part 3: the accumulation recipe, HSDP and per-layer MoE units ----------------
+
+MICRO = 3  # micro-batches per step in the accumulation recipe
+
+
+def _shard_recipe(model: GPT, system: str, hsdp: bool, world: int) -> None:
+    """Each block then the root, by FSDP2 or shardwise; HSDP: on a (world, 1) mesh (every
+    rank a replica: the reduction is the all-reduce across replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    shard = fully_shard if system == "fsdp2" else sw.fully_shard
+    kw: dict[str, Any] = {}
+    if hsdp:
+        kw["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        shard(block, **kw)
+    shard(model, **kw)
+
+
+def accumulation_counts(rank: int, world: int, systems: list[str], hsdp: bool
+                        ) -> dict[str, list[dict[str, int]]]:
+    """FSDP2's gradient-accumulation recipe (set_requires_gradient_sync(last),
+    set_reshard_after_backward(last)) over MICRO micro-batches: the collectives of each
+    micro-batch of the second step (the first warms up), optimizer step in the last one.
+    system -> [per micro-batch {kind: n}] (torch.distributed calls; gloo's native
+    collectives for shardwise)."""
+    import os
+
+    before = os.environ.get("SHARDWISE_GLOO_NATIVE")
+    os.environ["SHARDWISE_GLOO_NATIVE"] = "1"
+    out: dict[str, list[dict[str, int]]] = {}
+    try:
+        for system in systems:
+            torch.manual_seed(0)
+            model = GPT(PRESETS["small"])
+            _shard_recipe(model, system, hsdp, world)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            per_micro: list[dict[str, int]] = []
+            for step in range(2):
+                for i in range(MICRO):
+                    last = i == MICRO - 1
+                    with counting() as got:
+                        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                        model.set_reshard_after_backward(last)  # type: ignore[operator]
+                        g = torch.Generator().manual_seed(1000 * step + 10 * i + rank)
+                        cfg = model.cfg
+                        x = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g)
+                        model(x, x).backward()
+                        if last:
+                            opt.step()
+                            opt.zero_grad()
+                    if step == 1:
+                        per_micro.append(dict(got["python"]))
+            out[system] = per_micro
+    finally:
+        if before is None:
+            os.environ.pop("SHARDWISE_GLOO_NATIVE", None)
+        else:
+            os.environ["SHARDWISE_GLOO_NATIVE"] = before
+    return out
+
+
+def moe_layer_counts(rank: int, world: int) -> dict[str, Any]:
+    """The per-layer MoE recipe (docs/moe.md: each layer a unit, then the root) with routing
+    that leaves some expert without tokens on each rank: the collectives of the third step
+    and the host reads (`Tensor.tolist`) and host lists made tensors (`torch.tensor`) by the
+    engine's unit.py."""
+    import os
+
+    from tests.dist import moe_workers as M
+
+    os.environ["SHARDWISE_GLOO_NATIVE"] = "1"
+    torch.manual_seed(0)
+    model = M.Net()
+    M._shard_hand(model, "layers")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reads, copies = [0], [0]
+    real, real_tensor = torch.Tensor.tolist, torch.tensor
+
+    def from_unit() -> bool:
+        return sys._getframe(2).f_code.co_filename.endswith("engine/core/unit.py")
+
+    def counted(t: torch.Tensor) -> Any:
+        reads[0] += from_unit()
+        return real(t)
+
+    def counted_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        copies[0] += from_unit()
+        return real_tensor(*args, **kwargs)
+
+    got: dict[str, Counter[str]] = {}
+    for step in range(3):
+        ids, tgt = M._batch(step, world * M.PER_RANK)
+        mine = slice(rank * M.PER_RANK, (rank + 1) * M.PER_RANK)
+        if step == 2:
+            torch.Tensor.tolist = counted  # type: ignore[method-assign]
+            torch.tensor = counted_tensor  # type: ignore[assignment]
+            try:
+                with counting() as got:
+                    M._loss(model, (ids[mine], tgt[mine])).backward()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                torch.Tensor.tolist = real  # type: ignore[method-assign]
+                torch.tensor = real_tensor
+        else:
+            M._loss(model, (ids[mine], tgt[mine])).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"counts": dict(got["python"]), "c10d": dict(got["c10d"]), "host_reads": reads[0],
+            "host_lists_to_device": copies[0]}

@@ -1,4 +1,4 @@
-"""Workers for issue 25's "freezes are not compared across ranks" (engine/core/freeze_check.py).
+"""Workers for issue 25's "freezes are not compared across ranks" (engine/core/context.py).
 
 A `requires_grad` change made on one rank only changed that rank's gradient reductions
 alone: gloo aborted the process from its I/O thread (pair.cc "Received data size doesn't

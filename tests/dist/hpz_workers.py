@@ -1,5 +1,5 @@
 """Workers for hpZ (`fully_shard(m, reshard_after_forward=k)`, [Note: hpZ] in
-engine/core/hpz.py): shardwise, PyTorch's FSDP2 and an unsharded reference train the same
+engine/core/unit.py): shardwise, PyTorch's FSDP2 and an unsharded reference train the same
 model side by side in one set of processes; every collective both sharded systems issue is
 recorded with its group size and bytes, per phase (forward / backward)."""
 

@@ -1,5 +1,5 @@
 """Workers for `set_requires_all_reduce(False)` under HYBRID_SHARD ([Note: deferred
-all-reduce] in engine/core/reduce.py): micro-batches that reduce-scatter within the shard
+all-reduce] in engine/core/unit.py): micro-batches that reduce-scatter within the shard
 group and skip the all-reduce across replicas, then one that all-reduces everything. Side
 by side in one set of processes: shardwise deferring, shardwise all-reducing every
 micro-batch, FSDP2 deferring, and the unsharded reference on the whole batch."""

@@ -3,9 +3,11 @@
 Each rank's tokens are drawn so that some expert gets no token on that rank for every step
 ("skewed"), or so that every rank routes tokens to every expert ("balanced"): a hand-written
 MoE (experts in an nn.ModuleList, a ModuleDict of lists, or stored as 3-D tensors) routed by
-token id, and Hugging Face Mixtral / Qwen2-MoE built from configs (transformers 5 stores each
-layer's experts as 3-D tensors) with their own learned routers. Compared against the
-unsharded model on the whole batch by tests/dist/harness.py.
+token id, and Hugging Face Mixtral / Qwen2-MoE built from configs with their own learned
+routers (transformers 5 stores each layer's experts as 3-D tensors; "per-expert" puts them
+back into an nn.ModuleList of expert MLPs, transformers 4's layout, which FSDP2 users shard
+one unit per expert). Compared against the unsharded model on the whole batch by
+tests/dist/harness.py, parameters and gradients.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import shardwise as sw
+from shardwise.engine.core.context import context_of
 from tests.dist.harness import run_parity
 
 VOCAB, E, D, F = 40, 4, 12, 10
@@ -81,17 +84,22 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, i: int, stacked: bool, nested: bool = False, twice: bool = False
-                 ) -> None:
+    def __init__(self, i: int, stacked: bool, nested: bool = False, twice: bool = False,
+                 frozen: bool = False) -> None:
         super().__init__()
         self.i = i
         self.twice = twice
+        self.frozen = frozen
         self.norm = nn.LayerNorm(D)
         self.moe = MoE(stacked, nested)
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Layer 0 routes by id % E, layer 1 by (id // E) % E: the data decides both.
         route = (ids if self.i == 0 else ids // E) % E
+        if self.frozen and self.i == 0:
+            # The MoE's input needs no gradient (a frozen embedding): its experts' inputs
+            # neither, so they reduce in the final callback.
+            return h + self.moe(h, route)
         h = h + self.moe(self.norm(h), route)
         if self.twice:  # the same MoE layer called again in one forward
             h = h + self.moe(self.norm(h), (route + 1) % E)
@@ -99,18 +107,27 @@ class Layer(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, stacked: bool = False, nested: bool = False, twice: bool = False
-                 ) -> None:
+    """`frozen`: the embedding frozen, layer 0's MoE fed by it; `rounds`: the layer stack run
+    that many times per forward (a container whose members each run several times per
+    call of their holder)."""
+
+    def __init__(self, stacked: bool = False, nested: bool = False, twice: bool = False,
+                 frozen: bool = False, rounds: int = 1) -> None:
         super().__init__()
+        self.rounds = rounds
         self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Layer(i, stacked, nested, twice) for i in range(2))
+        self.layers = nn.ModuleList(Layer(i, stacked, nested, twice, frozen)
+                                    for i in range(2))
         self.head = nn.Linear(D, VOCAB)
+        if frozen:
+            self.embed.weight.requires_grad_(False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         h = self.embed(flat)
-        for layer in self.layers:
-            h = layer(h, flat)
+        for _ in range(self.rounds):
+            for layer in self.layers:
+                h = layer(h, flat)
         return self.head(h)
 
 
@@ -169,32 +186,58 @@ def _shard_hand(m: nn.Module, units: str) -> None:
 
 
 def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...],
-             balanced: bool = False, nested: bool = False, twice: bool = False
-             ) -> dict[str, dict[str, float]]:
-    """Parity of the hand-written MoE for each way of sharding it in `cases`."""
+             balanced: bool = False, nested: bool = False, twice: bool = False,
+             frozen: bool = False, rounds: int = 1) -> dict[str, object]:
+    """Parity (parameters and gradients) of the hand-written MoE for each way of sharding
+    it in `cases`, and the schedule's decisions in its first two steps (which unit gathers,
+    waits, reshards, reduces, in order), for the ranks to compare."""
     sw.set_debug(debug)
-    out = {}
+    out: dict[str, object] = {}
     batch = _balanced_batch if balanced else _batch
     for units in cases:
         stacked = units.startswith("stacked")
-        out[units] = run_parity(rank, world, lambda s=stacked: Net(s, nested, twice),
+        logs: list[list[tuple[str, str]]] = []
+        out[units] = run_parity(rank, world,
+                                lambda s=stacked: Net(s, nested, twice, frozen, rounds),
                                 lambda m, u=units: _shard_hand(m, u), batch, _loss,
-                                steps=3, per_rank=PER_RANK, what=f"hand MoE {units}")
+                                steps=3, per_rank=PER_RANK, what=f"hand MoE {units}",
+                                grads=True, between_steps=lambda s, m, r, logs=logs:
+                                _take_log(m, logs))
+        out[f"{units}/log"] = logs
     sw.set_debug(False)
     return out
 
 
-def skewed_experts_refused(rank: int, world: int, units: str, nested: bool
-                           ) -> dict[str, str]:
-    """Per-expert units with skewed routing: one step, the error each rank gets."""
+def _take_log(model: nn.Module, logs: list[list[tuple[str, str]]]) -> None:
+    """The decisions the schedule logged since the last call; start a new log."""
+    sched = context_of(model).schedule  # type: ignore[union-attr]
+    if sched.log is not None:
+        logs.append([(what, u.label) for what, u in sched.log])
+    sched.log = []
+
+
+class TwoLists(nn.Module):
+    """The same expert units in two containers: refused on every rank at the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList(Expert() for _ in range(2))
+        self.b = nn.ModuleList([self.a[1], Expert()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a[0](x) + self.b[0](x) + self.b[1](x)
+
+
+def refused_positions(rank: int, world: int) -> dict[str, str]:
+    """What each rank gets for a unit held in two containers."""
     torch.manual_seed(0)
-    m = Net(False, nested)
-    _shard_hand(m, units)
-    ids, labels = _batch(0, world * PER_RANK)
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    m = TwoLists()
+    for ex in (m.a[0], m.a[1], m.b[1]):
+        sw.fully_shard(ex)
+    sw.fully_shard(m)
     try:
-        _loss(m, (ids[mine], labels[mine])).backward()
-    except Exception as e:  # noqa: BLE001 - the test reads which error each rank got
+        m(torch.randn(3, D)).sum().backward()
+    except RuntimeError as e:
         return {"type": type(e).__name__, "message": str(e)}
     return {"type": "", "message": ""}
 
@@ -230,34 +273,79 @@ def _hf_loss(m: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return m(input_ids=b[0], labels=b[1]).loss
 
 
+class ExpertMLP(nn.Module):
+    """One expert of transformers 4's Mixtral / Qwen2-MoE: gate and up, then down."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: nn.Module) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False)
+        self.down = nn.Linear(down.shape[1], down.shape[0], bias=False)
+        with torch.no_grad():
+            self.gate_up.weight.copy_(gate_up)
+            self.down.weight.copy_(down)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class ExpertList(nn.ModuleList):
+    """transformers 5's experts module (same call, same numbers) with one module per
+    expert: the loop over the experts hit, in ascending order, as both versions run it."""
+
+    @classmethod
+    def of(cls, experts: nn.Module) -> ExpertList:
+        return cls(ExpertMLP(experts.gate_up_proj[e], experts.down_proj[e], experts.act_fn)
+                   for e in range(experts.num_experts))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=len(self)).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit.reshape(-1).tolist():  # an expert no token chose is not called
+            pos, idx = torch.where(mask[e])
+            y = self[e](hidden[idx]) * top_k_weights[idx, pos, None]
+            out.index_add_(0, idx, y.to(out.dtype))
+        return out
+
+
 def hf_moe(rank: int, world: int, cases: tuple[tuple[str, str], ...]) -> dict[str, object]:
-    """Mixtral and Qwen2-MoE: decoder layers as units ("layers"), and the 3-D experts as their
-    own units ("experts"). Returns the experts each rank routed tokens to, per step and layer
+    """Mixtral and Qwen2-MoE: decoder layers as units ("layers"), the 3-D experts as their
+    own units ("experts"), or one unit per expert in an nn.ModuleList and each layer
+    ("per-expert"). Returns the experts each rank routed tokens to, per step and layer
     (router hooks)."""
     out: dict[str, object] = {}
     for kind, units in cases:
-        if True:
-            seen: list[tuple[int, list[int]]] = []
-            mine: set[int] = set()
+        seen: list[tuple[int, list[int]]] = []
+        mine: set[int] = set()
 
-            def build(kind: str = kind, seen: list = seen) -> nn.Module:
-                m = _hf(kind)
-                for layer in m.model.layers:
-                    layer.mlp.gate.register_forward_hook(
-                        lambda mod, a, o, seen=seen: seen.append(
-                            (id(mod), sorted(set(o[2].reshape(-1).tolist())))))
-                return m
+        def build(kind: str = kind, units: str = units, seen: list = seen) -> nn.Module:
+            m = _hf(kind)
+            for layer in m.model.layers:
+                layer.mlp.gate.register_forward_hook(
+                    lambda mod, a, o, seen=seen: seen.append(
+                        (id(mod), sorted(set(o[2].reshape(-1).tolist())))))
+                if units == "per-expert":
+                    layer.mlp.experts = ExpertList.of(layer.mlp.experts)
+            return m
 
-            def shard(m: nn.Module, units: str = units, mine: set = mine) -> None:
-                for layer in m.model.layers:
-                    mine.add(id(layer.mlp.gate))  # the reference (a deep copy) has others
-                    if units == "experts":
-                        sw.fully_shard(layer.mlp.experts)
-                    sw.fully_shard(layer)
-                sw.fully_shard(m)
+        def shard(m: nn.Module, units: str = units, mine: set = mine) -> None:
+            for layer in m.model.layers:
+                mine.add(id(layer.mlp.gate))  # the reference (a deep copy) has others
+                if units == "experts":
+                    sw.fully_shard(layer.mlp.experts)
+                if units == "per-expert":
+                    for ex in layer.mlp.experts:
+                        sw.fully_shard(ex)
+                sw.fully_shard(layer)
+            sw.fully_shard(m)
 
-            out[f"{kind}/{units}"] = run_parity(rank, world, build, shard, _hf_batch, _hf_loss,
-                                                steps=2, per_rank=1, what=f"{kind} {units}")
-            # Experts this rank routed tokens to, per (step, layer).
-            out[f"{kind}/{units}/used"] = [u for i, u in seen if i in mine]
+        out[f"{kind}/{units}"] = run_parity(rank, world, build, shard, _hf_batch, _hf_loss,
+                                            steps=2, per_rank=1, what=f"{kind} {units}",
+                                            grads=True)
+        # Experts this rank routed tokens to, per (step, layer).
+        out[f"{kind}/{units}/used"] = [u for i, u in seen if i in mine]
     return out

@@ -51,17 +51,20 @@ def reset_high_water_mark() -> bool:
         return False
 
 
+def storages(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, each counted once."""
+    from shardwise.engine.core.dtensor import local_of
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = local_of(t).untyped_storage()  # optimizer state of DTensor params: DTensors
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def held_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes behind params, grads and optimizer state, each storage counted once."""
     from shardwise.engine.core.context import sharded_params
-    from shardwise.engine.core.dtensor import local_of
-
-    def storages(tensors: list[torch.Tensor]) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            s = local_of(t).untyped_storage()  # optimizer state of DTensor params: DTensors
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
 
     sps = sharded_params(model)
     params = storages([sp.padded_shard for sp in sps])
@@ -335,3 +338,64 @@ def tp_states_case(rank: int, world: int, tp: int, gpt_kw: dict) -> list[dict]:
                                 "optimizer": r.optimizer_bytes}})
         del model, opt
     return out
+
+
+def finetune_case(rank: int, world: int, folder: str, options: dict[str, str], batch: int,
+                  seq: int, steps: int) -> dict:
+    """A fine-tune of the Hugging Face model in `folder` built as `shardwise train
+    --model.hf folder <options>` builds it (build_hf on the run's Config: LoRA, NF4 base)
+    with the trainer's AdamW, `steps` steps of its loss on random tokens (batch x seq per
+    rank), gradients clipped as the trainer does. Returns the bytes held after the last
+    backward and step (params: an NF4 shard's inner tensors as torchao stores them; grads;
+    optimizer state), and the peak RSS growth over building and the steps, against RSS
+    before building (after a warm-up run of the same configuration, so that first-use
+    allocations of gloo, autograd, torchao and transformers are behind it). The high-water
+    mark is reset after loading: reading the checkpoint maps its file, which is not a step's
+    memory (`rss_after_load` keeps what loading left)."""
+    from shardwise.engine.core.context import sharded_params
+    from shardwise.train import options as O
+    from shardwise.train.hf_model import build_hf, loss_sum
+    from shardwise.train.metrics import stored_bytes
+    from shardwise.train.trainer import _optimizer
+
+    follow_live_bytes(True)
+    cfg = O.build({"model.hf": folder, "data.path": folder, **options})
+    vocab = 0
+
+    def run(n: int) -> dict[str, int]:
+        nonlocal vocab
+        model = build_hf(cfg)
+        vocab = model.get_input_embeddings().num_embeddings
+        opt = _optimizer(model, cfg.train)
+        after_load = status_kib("VmRSS") * 1024
+        reset_high_water_mark()
+        g = torch.Generator().manual_seed(rank)
+        held: dict[str, int] = {}
+        for i in range(n):
+            x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+            loss_sum(model, x[:, :-1], x[:, 1:])[0].backward()
+            sw.clip_grad_norm_(model, 1.0)
+            opt.step()
+            if i == n - 1:
+                sps = sharded_params(model)
+                held = {  # an NF4 shard: its inner tensors; the rest: their storages
+                    "params": sum(stored_bytes(sp.padded_shard) for sp in sps),
+                    "grads": storages([sp.shard_grad for sp in sps
+                                       if sp.shard_grad is not None]),
+                    "optimizer": storages([v for s in opt.state.values() for v in s.values()
+                                           if isinstance(v, torch.Tensor)]),
+                    "frozen": sum(stored_bytes(sp.padded_shard) for sp in sps
+                                  if not sp.requires_grad)}
+            opt.zero_grad(set_to_none=True)
+        held["after_load"] = after_load
+        del model, opt
+        return held
+
+    run(1)  # warm-up
+    exact = reset_high_water_mark()
+    rss0 = status_kib("VmRSS") * 1024
+    held = run(steps)
+    hwm = status_kib("VmHWM") * 1024
+    return {"rank": rank, "held": {k: v for k, v in held.items() if k != "after_load"},
+            "rss_after_load": held["after_load"] - rss0, "rss_growth": hwm - rss0,
+            "exact_hwm": exact}

@@ -4,7 +4,7 @@ The engine's own agreements (the layout check at the first forward, the freeze c
 every grad-enabled forward, the decision to regather stale parameters) ran over the world:
 with a model on ranks {0, 1} of 3, the check waited for rank 2, or met rank 2's check of
 its own model ("ranks disagree on the sharded model"). They now run over the model's ranks
-([Note: model group] in engine/core/mesh.py).
+([Note: model group] in engine/core/policies.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 36: FSDP2's all-gather extension contract (`fsdp_pre_all_gather` /
 `fsdp_post_all_gather`), every scenario run through torch's FSDP2 and shardwise with the same
-client code in the same test ([Note: all-gather extensions] in engine/core/extension.py).
+client code in the same test ([Note: all-gather extensions] in engine/core/sharded_param.py).
 
 - SplitTensor (tests/dist/ext_subclasses.py), a plain-tensor subclass gathered as a bf16
   part and an fp32 remainder (two dtypes packed as bytes, metadata, padded uneven shards

@@ -103,7 +103,7 @@ def test_all_to_all_transport_issues_as_many_collectives_as_fsdp2(world: int,
 
 def test_debug_mode_adds_its_checks_and_the_comparison_sees_them() -> None:
     # The checks FSDP2 does not make live in SHARDWISE_DEBUG=1: there they are counted (the
-    # freeze check's all-reduce, a fingerprint all-gather per collective, engine/comm/debug.py),
+    # freeze check's all-reduce, a fingerprint all-gather per collective, engine/comm/work.py),
     # so the comparison above is one that can fail.
     counts = _run(2, [("shardwise", "small", True)], {"SHARDWISE_DEBUG": "1"})
     ours = _get(counts, "shardwise", "small")
@@ -111,3 +111,46 @@ def test_debug_mode_adds_its_checks_and_the_comparison_sees_them() -> None:
     assert _differences(theirs, ours), (ours, theirs)
     assert ours.get("all_reduce") == 1, ours  # the freeze check, once per step
     assert ours["all_gather"] > theirs["all_gather"], ours
+
+
+# --- issue 41 part 3 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_accumulation_recipe_issues_fsdp2s_collectives_per_micro_batch(world: int,
+                                                                        hsdp: bool) -> None:
+    """FSDP2's accumulation recipe (set_requires_gradient_sync(last) and
+    set_reshard_after_backward(last), 3 micro-batches): per micro-batch, exactly FSDP2's
+    collectives. Before, every micro-batch after the first paid one all-reduce (the ranks
+    agreeing that the kept parameters were not stale) and a torch.equal per parameter. FSDP
+    (n blocks resharded after forward, every unit kept after backward but the last):
+    2n + 1 all-gathers in the first micro-batch, n (backward's) in the others, one
+    reduce-scatter per unit in the last; HSDP on a (world, 1) mesh: all-reduces only."""
+    per_rank = run_distributed(W.accumulation_counts, world, ["fsdp2", "shardwise"], hsdp,
+                               timeout_s=300)
+    for got in per_rank:
+        assert got["shardwise"] == got["fsdp2"], got
+    n = W.PRESETS["small"].n_layer
+    got = per_rank[0]["fsdp2"]
+    if hsdp:
+        assert got == [{}, {}, {"all_reduce": n + 1}], got
+    else:
+        assert got == [{"all_gather": 2 * n + 1}, {"all_gather": n},
+                       {"all_gather": n, "reduce_scatter": n + 1}], got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_layer_moe_recipe_counts(world: int) -> None:
+    """docs/moe.md's per-layer recipe with an expert that gets no token on each rank (FSDP2
+    cannot run it: a size mismatch in its reduce-scatter). shardwise's step: the root and 2
+    layer units, all resharded after forward (the root explicitly), 3 + 3 all-gathers and 3
+    reduce-scatters, nothing else; the unused-
+    gradient flags stay on the device (before: a flags tensor made from a host list per
+    bucket), and the counts are read at the end of backward, once per unit where this rank
+    missed a gradient (FSDP2 has no such read: it cannot run the case)."""
+    for got in run_distributed(W.moe_layer_counts, world, timeout_s=300):
+        assert got["counts"] == {"all_gather": 6, "reduce_scatter": 3}, got
+        assert got["c10d"] == got["counts"], got
+        # One read per layer unit that missed a gradient, at the end of backward.
+        assert 1 <= got["host_reads"] <= 2 and got["host_lists_to_device"] == 0, got

@@ -11,7 +11,7 @@ from tests.dist import freeze_workers as F
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_freeze_on_one_rank_raises_on_every_rank(world: int) -> None:
-    # Before engine/core/freeze_check.py rank 1's gloo I/O thread aborted the process (SIGABRT:
+    # Before engine/core/context.py rank 1's gloo I/O thread aborted the process (SIGABRT:
     # "Received data size doesn't match expected size"), or the ranks hung; run_distributed
     # turns either into DistributedError within the short collective timeout.
     results = run_distributed(F.freeze_on_one_rank, world, timeout_s=120.0,

@@ -1,5 +1,5 @@
 """hpZ: `fully_shard(m, reshard_after_forward=k)` with k a proper divisor of the shard group
-([Note: hpZ] in engine/core/hpz.py), against PyTorch's FSDP2 running the same code and an
+([Note: hpZ] in engine/core/unit.py), against PyTorch's FSDP2 running the same code and an
 unsharded reference, in one set of processes (tests/dist/hpz_workers.py).
 
 Collectives are recorded at the dispatcher with gloo's native all-gather

@@ -1,5 +1,5 @@
 """`set_requires_all_reduce(False)` under HYBRID_SHARD on a (2 replicas x 2 shards) mesh
-([Note: deferred all-reduce] in engine/core/reduce.py), against an accumulation that
+([Note: deferred all-reduce] in engine/core/unit.py), against an accumulation that
 all-reduces every micro-batch, FSDP2 deferring the same way, and the unsharded reference
 (tests/dist/hsdp_defer_workers.py)."""
 

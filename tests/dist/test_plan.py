@@ -6,7 +6,10 @@
   our GPT and a Hugging Face Llama planned from its config): equal;
 - peak RSS growth over a few steps vs the planned total: within 15%;
 - bytes the engine copies locally per step (`Unit.copied`) vs the time model's rule
-  (planner/copies.py): equal, by where, at 2 and 3 ranks (all-to-all on gloo).
+  (planner/copies.py): equal, by where, at 2 and 3 ranks (all-to-all on gloo);
+- a QLoRA fine-tune planned by `shardwise plan --model.hf DIR --lora.rank 8 --model.quantize
+  nf4` vs the run `shardwise train` builds from the same options at 2 ranks: the NF4 base,
+  the adapters, their gradients and AdamW state equal, peak RSS growth within 15%.
 
 Step time vs the plan is a measurement, not a test (machines are noisy):
 benchmarks/plan_vs_measured.py prints that ratio.
@@ -14,11 +17,14 @@ benchmarks/plan_vs_measured.py prints that ratio.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from shardwise.testing import run_distributed
 from tests.dist.plan_workers import (
     copies_case,
+    finetune_case,
     rss_case,
     states_case,
     tp_states_case,
@@ -84,3 +90,46 @@ def test_copies_match_the_plan(world: int, cfg: dict) -> None:
     for per_rank in run_distributed(copies_case, world, cfg, cases):
         for case in per_rank:
             assert case["engine"] == case["planned"], case
+
+
+def test_qlora_plan_matches_a_run(tmp_path: Path) -> None:
+    """Issue 42: the plan of a QLoRA fine-tune, from the CLI with train's options, against
+    the run train builds from them (build_hf, its AdamW, its loss, clipping) at 2 ranks,
+    batch 1 x the run's training length (the plan's defaults). The Llama (hidden 512, MLP
+    1024, 4 layers) holds 10.5M NF4 values: 2.7 MiB of NF4 shards a rank, whose 0.5M-value
+    MLP weights dequantize to 10 MiB (fp32), the largest term of the peak."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("peft")
+    import contextlib
+    import io
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardwise.commands.plan import main
+    from tests.hf_tokenizer import save_tokenizer
+
+    folder = str(tmp_path / "llama")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+        tie_word_embeddings=False)).save_pretrained(folder)
+    save_tokenizer(folder)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--model.hf", folder, "--lora.rank", "8", "--model.quantize", "nf4",
+                     "--world-size", "2", "--json"]) == 0
+    p = json.loads(out.getvalue())
+    assert (p["batch_size"], p["seq_len"]) == (1, 128)
+    planned = p["per_rank"]
+    results = run_distributed(finetune_case, 2, folder,
+                              {"lora.rank": "8", "model.quantize": "nf4"}, 1, 128, 3,
+                              timeout_s=600)
+    for r in results:  # the ranks hold the same: every weight splits evenly
+        for term in ("params", "grads", "optimizer", "frozen"):
+            assert r["held"][term] == planned[f"{term}_bytes"], (r["rank"], term, r, planned)
+        assert r["exact_hwm"], "could not reset VmHWM (/proc/self/clear_refs)"
+        ratio = r["rss_growth"] / planned["total_bytes"]
+        assert 0.85 <= ratio <= 1.15, (r["rank"], r["rss_growth"], planned)

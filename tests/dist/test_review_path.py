@@ -16,7 +16,7 @@ def test_forward_sees_shards_updated_while_gathered(world: int, keep: str, how: 
     """A unit still gathered from the last pass must not compute with stale parameters after
     its shards were updated in place. The `.data` updates are not seen by the version-counter
     check in ModelContext.begin_forward (engine/core/context.py, Unit.shards_changed_since_gather
-    in engine/core/unit_gather.py): the next forward silently uses the old full parameters."""
+    in engine/core/unit.py): the next forward silently uses the old full parameters."""
     for diffs in run_distributed(W.stale_after_update, world, keep, how, timeout_s=120):
         assert max(diffs) < 1e-5, diffs
 

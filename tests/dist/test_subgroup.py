@@ -4,7 +4,7 @@
 HYBRID_SHARD mesh on ranks {1, 2, 3, 4} of 5. Rank 0 trains alone and then waits in a
 barrier: an operation that still ran over the world hung there (the collective timeout
 turns that into an error) or wrote nothing where it should. [Note: model ranks] in
-src/shardwise/engine/ext/model_group.py.
+src/shardwise/engine/core/context.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `parity` runs on NCCL, one rank per GPU. `shared_gpu_parity` runs two ranks on ONE GPU over
 gloo (NCCL refuses two ranks on one device): each rank selects device 0 and shards with a
 CUDA DeviceMesh built over the gloo world, so the units live on the GPU and gloo moves the
-flat buffers (core/mesh.py).
+flat buffers (core/policies.py).
 """
 
 from __future__ import annotations

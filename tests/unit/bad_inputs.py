@@ -146,7 +146,8 @@ CASES: list[Case] = [
     api("shard_model(mixed_precision)", "torch.bfloat16", "mixed_precision=torch.bfloat16",
         _sm(mixed_precision=torch.bfloat16)),
     api("shard_model(cpu_offload)", "'yes'",
-        "cpu_offload='yes' is not allowed; use True, False or sw.CPUOffloadPolicy",
+        "cpu_offload='yes' is not allowed; use True, False, sw.CPUOffloadPolicy(...) or FSDP1's "
+        "CPUOffload",
         _sm(cpu_offload="yes")),
     api("shard_model(cpu_offload)", "1", "cpu_offload=1 is not allowed", _sm(cpu_offload=1)),
     api("shard_model(mesh)", "'cuda'", "mesh='cuda' must be None or a 1-D or 2-D torch DeviceMesh",

@@ -65,7 +65,7 @@ TRAIN_CASES = [
     train("train.grad_clip", "-1", "train.grad_clip=-1.0 must be >= 0"),
     train("train.seed", "x", "train.seed='x' is not a valid int"),
     train("train.eval_interval", "-1", "train.eval_interval=-1 must be >= 0"),
-    train("train.eval_batches", "0", "train.eval_batches=0 must be > 0"),
+    train("train.eval_batches", "-1", "train.eval_batches=-1 must be >= 0"),
     train("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore' is not one of: stop, skip"),
     train("train.max_skipped_steps", "-1", "train.max_skipped_steps=-1 must be >= 0"),
     train("shard.sharding_strategy", "ZERO3", "shard.sharding_strategy='ZERO3' is not one of: "
@@ -101,6 +101,10 @@ TRAIN_CASES = [
     train("lora.rank", "4", "lora.rank=4 needs model.hf"),
     train("model.quantize", "int4", f"model.quantize='int4' {NA}: give nf4"),
     train("model.quantize", "nf4", "model.quantize='nf4' needs model.hf and lora.rank"),
+    train("model.nf4_block_size", "3", "model.nf4_block_size=3 is not allowed: an even int"),
+    train("model.nf4_scaler_block_size", "0", "model.nf4_scaler_block_size=0 is not allowed"),
+    train("model.nf4_skip", "lm head", "model.nf4_skip='lm head' is not allowed: give "
+          "comma-separated module names"),
     train("lora.alpha", "-1", "lora.alpha=-1.0 must be >= 0"),
     train("lora.targets", "q_proj,,v_proj", f"lora.targets='q_proj,,v_proj' {NA}"),
     train("lora.dropout", "1", "lora.dropout=1.0 must be in [0, 1)"),
@@ -137,7 +141,7 @@ PLAN_CASES = [
     cli("plan --model huge", "huge", "model preset 'huge' is not one of: tiny"),
     cli("plan --model tiny --params 1e9", "both", "not allowed with argument",
         knob="shardwise plan --model --params"),
-    cli("plan", "(neither)", "give --params N, --model PRESET or --config PATH",
+    cli("plan", "(neither)", "give --params N, --model PRESET, --config PATH or --model.hf DIR",
         knob="shardwise plan (no model)"),
     cli("plan --config llama9", "llama9", "--config=llama9: 'llama9' is neither a preset "
         "(llama3-8b, llama3-70b, llama3-405b, qwen2-7b, mixtral-8x7b)"),
@@ -175,6 +179,29 @@ PLAN_CASES = [
     cli("plan --params 1e9 --layers 2", "(no --hidden/--heads)", "a shape needs --layers, "
         "--hidden and --heads", knob="shardwise plan --layers (alone)"),
     cli("plan --params 1e9 --tp 0", "0", "--tp=0"),
+    cli(["plan", "--model.hf", A_FILE], "a file", f"model.hf='{A_FILE}' is not a folder"),
+    cli("plan --config llama3-8b --model.dtype fp8", "fp8", "model.dtype='fp8' is not one of"),
+    cli("plan --config llama3-8b --model.block_size -1", "-1", "model.block_size=-1"),
+    cli("plan --config llama3-8b --model.quantize int4", "int4",
+        "model.quantize='int4' is not allowed"),
+    cli("plan --config llama3-8b --model.nf4_block_size 3", "3",
+        "model.nf4_block_size=3 is not allowed: an even int >= 2"),
+    cli("plan --config llama3-8b --model.nf4_scaler_block_size x", "x",
+        "model.nf4_scaler_block_size='x' is not a valid int"),
+    cli("plan --config llama3-8b --lora.rank 8 --model.quantize nf4 --model.nf4_skip "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head", "every linear",
+        "quantize=nf4 finds no frozen nn.Linear weight to quantize",
+        knob="shardwise plan --model.nf4_skip"),
+    cli("plan --config llama3-8b --lora.rank -1", "-1", "lora.rank=-1"),
+    cli(["plan", "--config", "llama3-8b", "--lora.targets", "q proj"], "'q proj'",
+        "lora.targets='q proj' is not allowed"),
+    cli("plan --lora.rank 8", "(no model)", "plan a fine-tune of a Hugging Face model: give "
+        "--model.hf DIR", knob="shardwise plan --lora.rank (no model)"),
+    cli("plan --config llama3-8b --model.quantize nf4", "(no --lora.rank)",
+        "model.quantize='nf4' needs lora.rank > 0", knob="shardwise plan --model.quantize "
+        "(no LoRA)"),
+    cli("plan --config llama3-8b --lora.rank 8 --model.quantize nf4 --world-size 3", "3",
+        "quantize=nf4 cannot shard", knob="shardwise plan --model.quantize --world-size"),
     cli("plan --params 1e9 --world-size 8 --tp 3", "3", "tensor_parallel=3 must divide "
         "world_size=8"),
     cli("plan --params 1e9 --layers 2 --hidden 64 --heads 2 --tp 4", "4", "tensor_parallel=4 "

@@ -95,24 +95,19 @@ def test_chat_counts_assistant_turns_only(tmp_path, folders, template: bool) -> 
             {"messages": CONVERSATION[:4]}]  # ends on a user turn: its EOS does not count
     data = TC.prepare(_jsonl(tmp_path / "chat.jsonl", recs), folder, tmp_path / "cache")
     ids, mask = data.tokens.tolist(), data.mask.tolist()
-    eos = tok.eos_token_id
     assert data.meta["documents"] == 2 and data.meta["skipped_documents"] == 1
-    assert ids.count(eos) == (2 if template else 5)  # the fallback closes each answer with EOS
-    first = ids.index(eos, ids.index(eos) + 1 if not template else 0) + 1
+    first = int(data.docs[1])  # a conversation gets no EOS of ours (TRL adds none)
     if template:
         full = tok.apply_chat_template(CONVERSATION, tokenize=False)
-        assert tok.decode(ids[:first]) == full + tok.eos_token
-        want = "Seven.<|end|>\nEleven.<|end|>\n" + tok.eos_token
-        assert tok.decode([t for t, m in zip(ids[:first], mask[:first]) if m]) == want
+        want = "Seven.<|end|>Eleven.<|end|>"  # each reply to its end token, not the newline
     else:
-        first = ids.index(eos, ids.index(eos, ids.index(eos) + 1) + 1) + 1
-        assert tok.decode(ids[:first]) == ("system: Be brief.\nuser: Name a prime.\n"
-                                           "assistant: Seven.<|endoftext|>\nuser: Another?\n"
-                                           "assistant: Eleven.<|endoftext|>\n<|endoftext|>")
-        counted = tok.decode([t for t, m in zip(ids[:first], mask[:first]) if m])
-        assert counted == "Seven.<|endoftext|>\nEleven.<|endoftext|>\n<|endoftext|>"
+        full = ("system: Be brief.\nuser: Name a prime.\nassistant: Seven.<|endoftext|>\n"
+                "user: Another?\nassistant: Eleven.<|endoftext|>\n")
+        want = "Seven.<|endoftext|>Eleven.<|endoftext|>"
+    assert tok.decode(ids[:first]) == full
+    assert tok.decode([t for t, m in zip(ids[:first], mask[:first]) if m]) == want
     second = [t for t, m in zip(ids[first:], mask[first:]) if m]
-    assert tok.decode(second).startswith("Seven.") and mask[-1] == 0 and ids[-1] == eos
+    assert tok.decode(second).startswith("Seven.") and mask[-1] == 0
     assert "Another" not in tok.decode(second) and "prime" not in tok.decode(second)
 
 

@@ -1,4 +1,4 @@
-"""hpZ's refusals ([Note: hpZ] in engine/core/hpz.py) are raised before any process group
+"""hpZ's refusals ([Note: hpZ] in engine/core/unit.py) are raised before any process group
 is made; the ones that need more ranks than a test can start (HYBRID_SHARD with a shard
 group of 4 or more) are checked here on the mesh description alone."""
 

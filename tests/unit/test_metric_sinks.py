@@ -145,3 +145,30 @@ def test_wandb_offline_run_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [r["loss_metrics/global_avg_loss"] for r in rows] == [5.5, 5.0]
     assert rows[1]["validation_metrics/loss"] == 4.5 and rows[0]["mfu(%)"] == 12.5
     assert math.isclose(rows[1]["throughput(tps)"], 3000.0)
+
+
+def test_resume_writes_each_step_once(tmp_path: Path) -> None:
+    """Issue 42: a run resumed from its step-1 checkpoint replays step 2; metrics.csv and
+    TensorBoard then held step 2 twice (metrics.jsonl did not)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = M.open_sinks(["csv", "tensorboard"], tmp_path, "r", {})
+    _log(first, RECORDS)
+    again = M.open_sinks(["csv", "tensorboard"], tmp_path, "r", {}, resumed_at=1)
+    _log(again, [{**RECORDS[1], "loss": 4.75}])
+    with (tmp_path / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert rows[1]["loss_metrics/global_avg_loss"] == "4.75"
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("loss_metrics/global_avg_loss")]
+    assert loss == [(1, 5.5), (2, 4.75)]
+
+
+def _log(sinks: list, records: list[dict]) -> None:
+    for r in records:
+        for s in sinks:
+            s.log(M.torchtitan_scalars(r, WORLD), r["step"])
+    for s in sinks:
+        s.close()

@@ -61,3 +61,13 @@ def test_needs_a_model(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--world-size", "8"])
     assert e.value.code == 2
     assert "--params" in capsys.readouterr().err
+
+
+def test_seq_len_alone_plans_batch_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help says batch 1 is the default; --seq-len without --batch-size planned no
+    activations ("activations unknown") before issue 42."""
+    rc = main(["--model", "small", "--world-size", "2", "--seq-len", "128", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["batch_size"] == 1 and d["seq_len"] == 128
+    assert d["per_rank"]["activations_bytes"] and d["per_rank"]["activations_bytes"] > 0
+    assert not any("unknown" in n for n in d["notes"])

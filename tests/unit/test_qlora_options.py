@@ -59,3 +59,19 @@ def test_nf4_codes_made_in_pieces_equal_torchaos() -> None:
     assert w.numel() > 3 * Q._PIECE
     assert torch.equal(codes, to_nf4(w).quantized_data)
     assert torch.equal(absmax, w.reshape(-1, 64).abs().amax(dim=1))
+
+
+def test_nf4_blocks_and_skipped_modules_from_the_command_line(llama: str) -> None:
+    """Issue 42: the NF4 refusal suggested sw.NF4(block_size=...), which the CLI could not
+    pass; --model.nf4_block_size, --model.nf4_scaler_block_size and --model.nf4_skip reach
+    the loader's spec, and a bad value names the option."""
+    from shardwise.checkpoint.quantize import NF4
+
+    base = {"model.hf": llama, "data.path": llama, "model.quantize": "nf4", "lora.rank": "4"}
+    assert O.build(base).model.nf4() == NF4()
+    cfg = O.build({**base, "model.nf4_block_size": "32", "model.nf4_scaler_block_size": "8",
+                   "model.nf4_skip": "lm_head, mlp.down_proj"})
+    assert cfg.model.nf4() == NF4(32, 8, ("lm_head", "mlp.down_proj"))
+    with pytest.raises(ValueError, match="model.nf4_block_size=3 is not allowed"):
+        O.build({**base, "model.nf4_block_size": "3"})
+    assert "--model.nf4_block_size" in O.help_text()

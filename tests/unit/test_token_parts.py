@@ -156,8 +156,9 @@ def test_sources_mix_by_weight_and_streams_resume_anywhere(tmp_path, folder) -> 
 def test_validation_batches_are_fixed_and_drawn_across_the_set(tmp_path, folder) -> None:
     data = TC.prepare(_tiny(tmp_path), folder, tmp_path / "cache")
     val = P.Mixture([_parts(data, 0.2, 16)[1]], [1.0])
-    a = list(P.val_batches(val, 16, 2, 1, 2, 3, seed=7))
-    b = list(P.val_batches(val, 16, 2, 1, 2, 3, seed=7))
+    n, rows = P.eval_rows(val, seed=7)
+    a = list(E.batches(n, rows, 2, 1, 2, 3))
+    b = list(E.batches(*P.eval_rows(val, seed=7), 2, 1, 2, 3))
     assert len(a) == 3 and all(torch.equal(p[1], q[1]) for p, q in zip(a, b))
     with pytest.raises(ValueError, match="no sequence of 4096 tokens"):
         from shardwise.train.hf_inputs import _named

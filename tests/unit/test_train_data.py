@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardwise.train import data as D
+from shardwise.train import eval_metrics as E
 
 
 def _tokens(n: int = 20_000) -> torch.Tensor:
@@ -90,8 +91,8 @@ def test_epochs_reshuffle_and_wrap() -> None:
 
 def test_val_batches_are_fixed() -> None:
     toks = _tokens(5_000)
-    a = [x for x, _ in D.val_batches(toks, 16, 4, 1, 2, 3)]
-    b = [x for x, _ in D.val_batches(toks, 16, 4, 1, 2, 3)]
+    a = [x for x, _ in E.batches(*D.eval_rows(toks, 16), 4, 1, 2, 3)]
+    b = [x for x, _ in E.batches(*D.eval_rows(toks, 16), 4, 1, 2, 3)]
     assert all(torch.equal(p, q) for p, q in zip(a, b)) and len(a) == 3
 
 

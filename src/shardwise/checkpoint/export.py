@@ -163,7 +163,7 @@ def export_safetensors(path: PathLike, model: nn.Module, *,
     `max_shard_bytes`), or a file name ending in `.safetensors` (that one file, any size).
     Every rank of the model must call it (tensors are all-gathered one at a time); the
     model's first rank writes (rank 0 unless the model runs on a subgroup: [Note: model
-    ranks] in engine/ext/model_group.py). Returns the paths of the weight files (on every rank
+    ranks] in engine/core/context.py). Returns the paths of the weight files (on every rank
     of the model).
     """
     writer: ConsolidatedWriter | None = None

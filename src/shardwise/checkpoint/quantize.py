@@ -67,7 +67,51 @@ def resolve(quantize: object) -> NF4 | None:
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    return any(name == s or name.endswith("." + s) for s in skip)
+    # peft wraps an adapted linear: its frozen weight is `<name>.base_layer`'s, which the
+    # user names as the module they adapt (`q_proj`, not `q_proj.base_layer`).
+    names = {name, name.removesuffix(".base_layer")}
+    return any(n == s or n.endswith("." + s) for n in names for s in skip)
+
+
+def frozen_linears(model: nn.Module, spec: NF4) -> list[tuple[str, nn.Linear]]:
+    """(module name, module) of every `nn.Linear` outside `spec.skip` whose weight is frozen:
+    the weights NF4 quantizes (the loader, on the sharded model; the planner, on the meta
+    model before sharding)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not _skipped(name, spec.skip)
+            and not m.weight.requires_grad]
+
+
+def splits_evenly(rows: int, cols: int, shard_size: int, spec: NF4) -> bool:
+    """NF4's own sharding rule: dim 0 divisible by the ranks, each rank's rows whole scaler
+    blocks (rows / rank x columns a multiple of block_size x scaler_block_size)."""
+    return rows % shard_size == 0 and (rows // shard_size * cols) % spec.whole == 0
+
+
+def refusal(bad: list[str], shard_size: int, spec: NF4) -> ValueError:
+    """The error naming every weight NF4 cannot shard over `shard_size` ranks, and the ways
+    out (from the library and from `shardwise train` / `shardwise plan`)."""
+    return ValueError(
+        f"quantize=nf4 cannot shard {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
+        f"over {shard_size} ranks: NF4 splits a weight only evenly, and each rank's rows must "
+        f"hold whole scaler blocks (dim 0 divisible by the ranks, rows/rank x columns a "
+        f"multiple of block_size x scaler_block_size = {spec.whole}). Use another number "
+        f"of ranks, smaller blocks (sw.NF4(block_size=..., scaler_block_size=...); "
+        f"shardwise train: --model.nf4_block_size / --model.nf4_scaler_block_size), or "
+        f"leave those modules in the model's dtype (sw.NF4(skip=...); shardwise train: "
+        f"--model.nf4_skip)")
+
+
+def nf4_bytes(numel: int, spec: NF4, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of `numel` values as torchao's NF4Tensor stores them (its `__tensor_flatten__`
+    names), quantized from `dtype`: 4-bit codes two to a byte, one int8 scaler per block of
+    block_size values, one factor in `dtype` per scaler block of block_size x
+    scaler_block_size values, the scalers' mean and the 16 NF4 levels in `dtype`. The
+    all-gather moves the first three ([Note: all-gather extensions])."""
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    return {"quantized_data": numel // 2, "quantized_scalers": numel // spec.block_size,
+            "quantization_factor": numel // spec.whole * size, "scaler_mean": size,
+            "nf4": 16 * size}
 
 
 def targets(model: nn.Module, spec: NF4) -> dict[str, ShardedParam]:
@@ -77,9 +121,8 @@ def targets(model: nn.Module, spec: NF4) -> dict[str, ShardedParam]:
     subclass."""
     out: dict[str, ShardedParam] = {}
     bad: list[str] = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or _skipped(name, spec.skip):
-            continue
+    S = 1
+    for name, m in frozen_linears(model, spec):
         sp = getattr(m.weight, "_sw_param", None)
         if sp is None or sp.requires_grad:
             continue  # not sharded (ignored) or trained: stays as it is
@@ -89,18 +132,12 @@ def targets(model: nn.Module, spec: NF4) -> dict[str, ShardedParam]:
         if sp.tp is not None or sp.subclass or getattr(sp, "shard_dim", 0) != 0:
             bad.append(f"{key} (tensor parallel, already a tensor subclass, or sharded on "
                        "another dim)")
-        elif rows % S or (rows // S * cols) % spec.whole:
+        elif not splits_evenly(rows, cols, S, spec):
             bad.append(f"{key} {[rows, cols]}")
         else:
             out[key] = sp
     if bad:
-        raise ValueError(
-            f"quantize=nf4 cannot shard {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} "
-            f"over {S} ranks: NF4 splits a weight only evenly, and each rank's rows must hold "
-            f"whole scaler blocks (dim 0 divisible by the ranks, rows/rank x columns a "
-            f"multiple of block_size x scaler_block_size = {spec.whole}). Use another number "
-            f"of ranks, smaller blocks (sw.NF4(block_size=..., scaler_block_size=...)), or "
-            f"leave those modules in the model's dtype (sw.NF4(skip=...))")
+        raise refusal(bad, S, spec)
     if not out:
         raise ValueError("quantize=nf4 found no frozen nn.Linear weight to quantize: freeze "
                          "the base first (peft's get_peft_model does), or load without it")

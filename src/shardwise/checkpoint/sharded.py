@@ -4,7 +4,7 @@ See [Note: checkpoint format] (manifest.py) for what is on disk and [Note: atomi
 (atomic.py) for why a crash never leaves a checkpoint that loads wrongly. Every check that
 can fail on one rank is agreed on by all (`sync.agreed`), so an error raises everywhere and no
 rank is left waiting in a collective. All of it runs over the model's ranks ([Note: model
-ranks] in engine/ext/model_group.py): on a model sharded on a subgroup, only its ranks call
+ranks] in engine/core/context.py): on a model sharded on a subgroup, only its ranks call
 these, and its first rank (global rank 0 when the model runs on every rank) writes the
 manifest and the replicated tensors.
 """

@@ -7,7 +7,7 @@ state shaped like them) are held by their shard owners and written by replica 0 
 replicate group (HYBRID_SHARD and NO_SHARD keep identical copies elsewhere). Everything
 else (buffers, ignored parameters) is replicated: every rank holds all rows and global
 the model's first rank writes them (global rank 0 when the model runs on every rank;
-[Note: model ranks] in engine/ext/model_group.py).
+[Note: model ranks] in engine/core/context.py).
 """
 
 from __future__ import annotations

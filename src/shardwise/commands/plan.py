@@ -6,6 +6,9 @@
     shardwise plan --config llama3-70b --world-size 64 --tp 8 --device h100-80gb \
         --mixed-precision bf16 --activation-checkpointing    # or --config path/to/config.json
     shardwise plan --calibrate            # measure this machine, predict `shardwise train`
+    shardwise plan --model.hf DIR --lora.rank 8 --model.quantize nf4 --world-size 2
+        # QLoRA as `shardwise train` runs it: NF4 base, adapters, their gradients and AdamW
+        # state, the dequantization peak; batch 1 x the run's sequence length by default
 
 Prints the chosen strategy's per-rank table, then every strategy side by side, marking the
 one that fits and runs fastest. `--json` prints `Plan.to_dict()` instead.
@@ -18,6 +21,8 @@ import json
 
 from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
 from ..planner import report as R
+from ..train.config import Config as TrainConfig
+from ..train.options import field_docs
 from ._args import Parser, at_least, finite, report
 
 
@@ -72,7 +77,86 @@ def _parser() -> argparse.ArgumentParser:
                     help="measure this machine (gloo, local ranks) and predict a local run")
     ap.add_argument("--nproc", type=int, default=2, help="ranks for --calibrate (default 2)")
     ap.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
+    ft = ap.add_argument_group(
+        "fine-tuning, as `shardwise train` takes it (same names, values and checks; the model "
+        "from --model.hf DIR or --config; batch 1 x the run's training length by default)")
+    docs = {s: field_docs(type(getattr(TrainConfig(), s))) for s in ("model", "lora")}
+    for key in FINETUNE_KEYS:
+        section, _, name = key.partition(".")
+        ft.add_argument(f"--{key}", dest=key, metavar="VALUE", help=docs[section][name])
     return ap
+
+
+# `shardwise train`'s options that change what a fine-tune holds.
+FINETUNE_KEYS = ("model.hf", "model.dtype", "model.block_size", "model.quantize",
+                 "model.nf4_block_size", "model.nf4_scaler_block_size", "model.nf4_skip",
+                 "lora.rank", "lora.targets")
+
+
+def _finetune(args: argparse.Namespace) -> tuple[object, object] | None:
+    """(train's model section, its lora section) from the fine-tuning options, converted and
+    checked as `shardwise train` does; None when none is given."""
+    given = {k: getattr(args, k) for k in FINETUNE_KEYS if getattr(args, k) is not None}
+    if not given:
+        return None
+    from ..train import options as O
+    from ..train.hf_deps import require
+    from ..train.qlora import check_quantize
+
+    model = O.build_section("model", {k: v for k, v in given.items() if k.startswith("model.")})
+    lora = O.build_section("lora", {k: v for k, v in given.items() if k.startswith("lora.")})
+    named = ", ".join(f"--{k}" for k in given)
+    if model.hf and (args.config or args.model or args.params):
+        raise ValueError(f"--model.hf={model.hf!r} names the model, and so does "
+                         f"{'--config' if args.config else '--model' if args.model else '--params'}"
+                         ": give one")
+    if not model.hf and not args.config:
+        raise ValueError(f"{named} plan a fine-tune of a Hugging Face model: give --model.hf "
+                         "DIR (the folder `shardwise train` reads) or --config (its "
+                         "config.json, or a preset)")
+    if lora.rank:
+        require(f"lora.rank={lora.rank}", "peft")
+    if model.quantize:
+        check_quantize(model.quantize, lora.rank, args.strategy)
+    return model, lora
+
+
+def _finetune_model(args: argparse.Namespace, model: object,
+                    lora: object) -> tuple[object, int, str]:
+    """The fine-tune's meta model (train's own builder), its training length and a label."""
+    from ..planner.hf_config import read_config
+    from ..train.config import training_length
+    from ..train.hf_deps import require
+    from ..train.hf_folder import config as folder_config
+    from ..train.hf_folder import positions_of
+    from ..train.hf_model import meta_model
+
+    if model.hf:  # type: ignore[attr-defined]
+        d, where = folder_config(model.hf), f"model.hf={model.hf!r}"  # type: ignore[attr-defined]
+        hf_config = None
+    else:
+        require(f"--config={args.config} with fine-tuning options", "transformers")
+        import transformers as tf
+
+        try:
+            d, where = read_config(args.config)
+        except ValueError as e:
+            raise ValueError(f"--config={args.config}: {e}") from None
+        hf_config = tf.AutoConfig.for_model(**d)
+    seq = training_length(model.block_size, positions_of(d), where)  # type: ignore[attr-defined]
+    meta = meta_model(model, lora, hf_config)  # type: ignore[arg-type]
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    label = f"{d.get('model_type', 'model')} ({where}, {model.dtype})"  # type: ignore[attr-defined]
+    if lora.rank:  # type: ignore[attr-defined]
+        targets = sorted(meta.peft_config["default"].target_modules)
+        label += (f", LoRA rank {lora.rank} on {','.join(targets)} "  # type: ignore[attr-defined]
+                  f"({R.count(trained)} trained)")
+    else:
+        label += ", full fine-tune"
+    if model.quantize:  # type: ignore[attr-defined]
+        spec = model.nf4()  # type: ignore[attr-defined]
+        label += f", NF4 base (blocks {spec.block_size} x {spec.scaler_block_size})"
+    return meta, seq, label
 
 
 def _model_and_shape(args: argparse.Namespace) -> tuple[object, dict | None, str]:
@@ -126,6 +210,7 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
     for s in STRATEGIES:
         try:  # alternatives only for the chosen strategy: the others are one row each
             fn = plan if s == args.strategy else plan_one
+            kw = {"quantize": args.quantize} if args.quantize is not None else {}
             out[s] = fn(what, world_size=args.world_size, sharding_strategy=s, rank=0,
                           auto_wrap_policy=None if args.wrap == "none" else "transformer",
                           mixed_precision=args.mixed_precision, optimizer=args.optimizer,
@@ -135,7 +220,7 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
                           device=device, interconnect=interconnect, shape=shape,
                           ranks_per_node=args.ranks_per_node, tensor_parallel=args.tp,
                           sequence_parallel=args.sequence_parallel,
-                          tp_embeddings=args.tp_embeddings)
+                          tp_embeddings=args.tp_embeddings, **kw)
         except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
             if s == args.strategy:
                 raise
@@ -218,12 +303,24 @@ def main(argv: list[str]) -> int:
     interconnect: object = args.interconnect
     header = []
     try:
-        if args.calibrate and not (args.params or args.model or args.config):
+        if args.calibrate and not (args.params or args.model or args.config
+                                   or getattr(args, "model.hf")):
             args.model, args.batch_size = "small", args.batch_size or 8  # train's defaults
-        if args.params is None and args.model is None and args.config is None:
-            ap.error("give --params N, --model PRESET or --config PATH (or --calibrate)")
+        ft = _finetune(args)
+        if ft is None and args.params is None and args.model is None and args.config is None:
+            ap.error("give --params N, --model PRESET, --config PATH or --model.hf DIR (or "
+                     "--calibrate)")
         args.world_size = args.world_size or (args.nproc if args.calibrate else 8)
-        what, shape, label = _model_and_shape(args)
+        args.quantize = None
+        if ft is not None:
+            what, seq, label = _finetune_model(args, *ft)
+            shape = None
+            if args.seq_len is None:
+                args.seq_len = seq  # as `shardwise train` trains it, not the context length
+            if ft[0].quantize:  # type: ignore[attr-defined]
+                args.quantize = ft[0].nf4()  # type: ignore[attr-defined]
+        else:
+            what, shape, label = _model_and_shape(args)
         if args.calibrate:
             device, interconnect, line = _calibrate(args, what, shape)
             header.append(line)

@@ -111,6 +111,18 @@ def precheck(cfg: C.Config, nproc: int) -> None:
             raise ValueError(f"model.hf={cfg.model.hf!r} has no tokenizer (tokenizer.json, or "
                              "vocab.json and merges.txt): save the tokenizer into the folder "
                              "with tokenizer.save_pretrained")
+        # The weight files' headers and the data files, here in the launcher: a mistake is
+        # one line in about a second, not after every worker has started.
+        from ..checkpoint.manifest import CheckpointError
+        from ..checkpoint.pretrained_files import find_files
+        from ..train.hf_inputs import check_files
+
+        try:
+            find_files(cfg.model.hf)
+        except (ValueError, CheckpointError) as e:
+            raise ValueError(f"model.hf={cfg.model.hf!r}: " + str(e).replace(
+                f"path={cfg.model.hf!r} ", "")) from None
+        check_files(cfg)
         return  # token counts need the tokenizer: the workers check them
     gpt = cfg.model.gpt()
     check_world(cfg.parallel.tp, nproc,

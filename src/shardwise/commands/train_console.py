@@ -86,6 +86,8 @@ class ConsoleReporter:
         unit = "tokens" if cfg.model.hf else "bytes"
         print(f"  data: {data}: {info['train_bytes']:,} train / {info['val_bytes']:,} val "
               f"{unit}; {info['tokens_per_step']:,} tokens per step")
+        if info.get("eval"):
+            print(f"  evaluation: {info['eval']}")
         for line in info.get("moved_aside", []):
             print(f"  set aside in checkpoints/: {line} (a save would have tripped over it)")
         if info["start_step"]:

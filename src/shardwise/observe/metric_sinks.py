@@ -84,10 +84,13 @@ class MetricSink(Protocol):
 class TensorBoardSink:
     """Event files under <run>/tensorboard/ (`tensorboard --logdir runs/<name>/tensorboard`)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resumed_at: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # A resume at step N replays the steps after N: purge_step tells TensorBoard to drop
+        # the earlier run's events from N + 1 on, so each step shows once.
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                    purge_step=resumed_at + 1 if resumed_at else None)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():
@@ -161,12 +164,14 @@ class CsvSink:
     A scalar first seen after the header (validation, on its first evaluation step) widens
     the file: it is rewritten once with the new column."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resumed_at: int = 0) -> None:
         self.path = run_dir / "metrics.csv"
         self.columns: list[str] = []
         if self.path.exists():  # a resumed run appends under its header
             with self.path.open(newline="") as f:
                 self.columns = next(csv.reader(f), [])
+            if resumed_at:  # rows after the checkpoint's step are written again: drop them
+                self._widen(self.columns, keep_to=resumed_at)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         row = {"step": step, **scalars}
@@ -176,11 +181,14 @@ class CsvSink:
         with self.path.open("a", newline="") as f:
             csv.DictWriter(f, self.columns).writerow(row)
 
-    def _widen(self, columns: list[str]) -> None:
+    def _widen(self, columns: list[str], keep_to: int | None = None) -> None:
+        """Rewrite the file under `columns` (keep_to: only the rows up to that step)."""
         rows: list[dict[str, str]] = []
         if self.path.exists():
             with self.path.open(newline="") as f:
                 rows = list(csv.DictReader(f))
+        if keep_to is not None:
+            rows = [r for r in rows if _step_of(r) <= keep_to]
         tmp = self.path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as f:
             w = csv.DictWriter(f, columns)
@@ -193,17 +201,26 @@ class CsvSink:
         pass
 
 
-def open_sinks(names: list[str], run_dir: Path, name: str, config: dict[str, Any]
-               ) -> list[MetricSink]:
-    """The chosen sinks, opened on the run folder (rank 0 only)."""
+def _step_of(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0
+
+
+def open_sinks(names: list[str], run_dir: Path, name: str, config: dict[str, Any],
+               resumed_at: int = 0) -> list[MetricSink]:
+    """The chosen sinks, opened on the run folder (rank 0 only). resumed_at: the checkpoint's
+    step a resumed run continues from (0: a fresh run); the file-backed sinks forget what
+    the earlier run wrote after it, as metrics.jsonl does (rundir.truncate_metrics)."""
     out: list[MetricSink] = []
     for n in names:
         if n == "tensorboard":
-            out.append(TensorBoardSink(run_dir))
+            out.append(TensorBoardSink(run_dir, resumed_at))
         elif n == "wandb":
             out.append(WandbSink(run_dir, name, config))
         elif n == "mlflow":
             out.append(MlflowSink(run_dir, name, config))
         elif n == "csv":
-            out.append(CsvSink(run_dir))
+            out.append(CsvSink(run_dir, resumed_at))
     return out

@@ -8,7 +8,7 @@
 
 Every rank writes `trace_rank{r}.json`; rank 0 also writes the merged `trace.json` (one
 process per rank) and `overlap.json`. On a model sharded on a subgroup, its ranks take part
-and its first rank writes the merged files ([Note: model ranks] in engine/ext/model_group.py).
+and its first rank writes the merged files ([Note: model ranks] in engine/core/context.py).
 Files are Chrome trace-event JSON: complete events ("ph": "X") with microsecond
 `ts`/`dur`, opened by https://ui.perfetto.dev.
 

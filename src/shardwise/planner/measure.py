@@ -194,3 +194,27 @@ def measure_optimizer(numel: int = 2**22, tensors: int = 32, repeats: int = 5,
     return passes / max(big - tensors * per_tensor, 1e-9), per_tensor
 
 
+
+
+def measure_dequant_bytes(dtype: torch.dtype = torch.float32, rows: int = 2048,
+                          cols: int = 4096) -> float:
+    """Peak bytes per weight value of a linear layer over a (rows, cols) torchao NF4 weight
+    held in `dtype` (its forward: torchao dequantizes the whole weight, then multiplies):
+    the figure behind [Note: NF4 dequantization] (planner/memory.py). Read off this
+    process's resident high-water mark (Linux), so it is exact only where freed memory
+    leaves the resident set at once (glibc told to mmap large blocks, as
+    tests/dist/plan_workers.py's `follow_live_bytes` does) and nothing else runs."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    def kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    weight = to_nf4(torch.randn(rows, cols, dtype=dtype), 64, 256)
+    x = torch.randn(1, cols, dtype=dtype)
+    torch.nn.functional.linear(x, weight)  # first-use allocations out of the way
+    before = kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    torch.nn.functional.linear(x, weight)
+    return (kib("VmHWM") - before) * 1024 / (rows * cols)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.quantize import NF4, nf4_bytes
 from ..engine.core.layout import balanced_shard_dim
 from ..engine.core.policies import MixedPrecisionPolicy
 from .units import PlanUnit
@@ -35,6 +36,26 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "none": (0, False),
 }
 STEP_COUNTER_BYTES = 4  # torch keeps Adam's `step` as a 0-d float32 tensor per parameter
+
+
+# [Note: NF4 dequantization] torchao's NF4Tensor computes a linear layer by dequantizing its
+# whole weight (`get_original_weight`, inside the layer's forward and again in its backward),
+# and every intermediate of that function is alive at its end: two int64 index arrays of
+# numel / 2 (8 bytes a value), the two looked-up halves, the two scaled halves and their
+# stacked result, each numel / 2 or numel in the model's dtype (3 x its size a value).
+# Measured (torchao 0.18, `planner.measure.measure_dequant_bytes`): 20.0 bytes a value in
+# fp32, 14.0 in bf16, 8 + 3 x the dtype's size; tests/unit/test_plan_finetune.py holds the
+# two together. The peak is transient: once the matmul has the weight, all of it is freed.
+DEQUANT_INDEX_BYTES = 8  # the int64 codes, two arrays of numel / 2
+DEQUANT_COPIES = 3  # values in the model's dtype alive at the peak, per weight value
+
+
+def dequant_bytes(numel: int, dtype: torch.dtype, compute: torch.dtype | None = None) -> int:
+    """Peak bytes of dequantizing an NF4 weight of `numel` values held in `dtype`, plus its
+    cast to the `compute` dtype (mixed precision: torchao dequantizes in the weight's own
+    dtype, then casts)."""
+    cast = _size(compute) if compute is not None and compute != dtype else 0
+    return numel * (DEQUANT_INDEX_BYTES + DEQUANT_COPIES * _size(dtype) + cast)
 
 
 def parse_optimizer(value: str) -> str:
@@ -68,6 +89,9 @@ class UnitCost:
     direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
     cast_grad_bytes: reduced gradients copied into the master dtype or to the host (the rest
       are views of the reduction's output).
+    frozen_bytes: the part of shard_bytes that trains nothing (a fine-tune's frozen base).
+    dequant_bytes: the peak of dequantizing the unit's largest NF4 weight ([Note: NF4
+      dequantization]), alive for a moment in its forward and again in its backward.
     """
 
     name: str
@@ -85,11 +109,14 @@ class UnitCost:
     full_grad_bytes: int
     direct: bool
     cast_grad_bytes: int = 0
+    frozen_bytes: int = 0
+    dequant_bytes: int = 0
 
 
 def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
               mp: MixedPrecisionPolicy | None, host_offload: bool,
-              plain: bool = True, replicate_size: int = 1, balance: bool = True) -> UnitCost:
+              plain: bool = True, replicate_size: int = 1, balance: bool = True,
+              nf4: NF4 | None = None, quantized: frozenset[str] = frozenset()) -> UnitCost:
     """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`.
 
     plain: the sharded parameters are plain tensors (NO_SHARD without TP); False where they
@@ -98,9 +125,12 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     even direct gradients go through the packed all-reduce, flags included.
     balance: each parameter sharded on the engine's default dim ([Note: balanced shards] in
     engine/core/layout.py); False: dim 0, as the engine does under tensor parallelism.
+    nf4 / quantized: a QLoRA base: the parameters named in `quantized` are held as torchao
+    NF4 shards of spec `nf4` (checkpoint/quantize.py), which gather through their own hooks
+    as bytes ([Note: all-gather extensions] in engine/core/extension.py).
     """
     S, r = shard_size, shard_rank
-    shard = state = state_params = largest = unsharded = full_grads = 0
+    shard = state = state_params = largest = unsharded = full_grads = frozen = dequant = 0
     gather: dict[torch.dtype, int] = {}
     grad_chunk: dict[torch.dtype, int] = {}
     flag_count: dict[torch.dtype, int] = {}
@@ -114,6 +144,21 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         dim0, row = dims[d], math.prod(n for i, n in enumerate(dims) if i != d)
         C = -(-dim0 // S)
         local = (min((r + 1) * C, dim0) - min(r * C, dim0)) * row
+        if p.fqn in quantized and nf4 is not None:
+            # dim 0 and even ([Note: NF4 by rows]): C rows of this rank's, no padding. The
+            # shard is the NF4 tensor's inner tensors; its all-gather moves codes, scalers
+            # and factors packed as bytes, which stay as the unsharded NF4 weight.
+            held = nf4_bytes(C * row, nf4, p.dtype)
+            moved = (held["quantized_data"] + held["quantized_scalers"]
+                     + held["quantization_factor"])
+            shard += sum(held.values())
+            frozen += sum(held.values())
+            gather[torch.uint8] = gather.get(torch.uint8, 0) + moved
+            unsharded += S * moved
+            compute = mp.param_dtype if mp and mp.param_dtype else p.dtype
+            dequant = max(dequant, dequant_bytes(p.numel, p.dtype, compute))
+            direct_all = False
+            continue
         orig = _size(p.dtype)
         cdtype = mp.param_dtype if (mp and mp.param_dtype and p.dtype.is_floating_point) \
             else p.dtype
@@ -124,6 +169,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
                   and plain)
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
+        if not p.requires_grad:
+            frozen += C * row * orig
         gather[cdtype] = gather.get(cdtype, 0) + C * row
         if not direct:
             unsharded += S * C * row * csize  # (S*C, ...) storage while the unit is unsharded
@@ -133,7 +180,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
             largest = max(largest, local * orig)
             full_grads += p.numel * csize
             # Plus one "has a gradient" flag per parameter in each rank's row of the reduce
-            # buffer (engine/core/reduce.py, [Note: unused gradients]).
+            # buffer (engine/core/unit.py, [Note: unused gradients]).
             grad_chunk[cdtype] = grad_chunk.get(cdtype, 0) + C * row + 1
             flag_count[cdtype] = flag_count.get(cdtype, 0) + 1
             if not direct:
@@ -147,7 +194,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     grads = 0
     for cdtype, n in grad_chunk.items():
         rdtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or cdtype
-        # Only direct gradients with one rank in the world reduce nothing (engine/core/reduce.py
+        # Only direct gradients with one rank in the world reduce nothing (engine/core/unit.py
         # returns early): they are autograd's own, without flags. Any other group's
         # gradients are views of the packed buffer, one flag per parameter included.
         skipped = S * replicate_size == 1 and cdtype not in indirect
@@ -162,7 +209,7 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         largest_state_bytes=largest, gather=tuple(gather.items()), reduce=tuple(reduce),
         unsharded_bytes=unsharded, full_grad_bytes=full_grads,
         direct=direct_all and bool(unit.spec.params),
-        cast_grad_bytes=sum(converted.values()),
+        cast_grad_bytes=sum(converted.values()), frozen_bytes=frozen, dequant_bytes=dequant,
     )
 
 

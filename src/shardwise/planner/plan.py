@@ -14,6 +14,7 @@ import os
 import torch
 from torch import nn
 
+from ..checkpoint.quantize import NF4, refusal, resolve, splits_evenly
 from ..engine.core.policies import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -41,12 +42,33 @@ from .simulate import PhasePeaks, StepActivations, simulate
 from .units import ModelUnits, model_units, resolve_model
 
 
+def _check_nf4(mu: ModelUnits, shard_size: int, spec: NF4) -> None:
+    """The loader's refusal (checkpoint/quantize.py), before planning what cannot load."""
+    bad = [f"{p.fqn} {list(p.shape)}" for u in mu.units for p in u.spec.params
+           if p.fqn in mu.quantized and not splits_evenly(p.shape[0], p.shape[1], shard_size,
+                                                          spec)]
+    if bad:
+        raise refusal(bad, shard_size, spec)
+
+
+def _model_dtype(mu: ModelUnits) -> torch.dtype:
+    """What a model computes in without mixed precision: the dtype most of its floating
+    parameters are held in (fp32 for a count or a config)."""
+    by: dict[torch.dtype, int] = {}
+    for u in mu.units:
+        for p in u.spec.params:
+            if p.dtype.is_floating_point:
+                by[p.dtype] = by.get(p.dtype, 0) + p.numel
+    return max(by, key=lambda d: by[d]) if by else torch.float32
+
+
 def _peak(peaks: PhasePeaks) -> int:
     return max(peaks.forward, peaks.backward, peaks.step)
 
 
 def _layout(strategy: ShardingStrategy, world: int, per_node: int) -> tuple[int, int]:
-    """(shard size, replicate size), as engine/core/mesh.py's `mesh_for_strategy` builds them."""
+    """(shard size, replicate size), as `mesh_for_strategy` (engine/core/policies.py)
+    builds them."""
     if strategy is ShardingStrategy.NO_SHARD:
         return 1, world
     if strategy is ShardingStrategy.HYBRID_SHARD:
@@ -78,6 +100,7 @@ def plan(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     tp_embeddings: str = "split",
+    quantize: str | NF4 | None = None,
 ) -> Plan:
     """Plan one training step of `model_or_param_count` on `world_size` ranks.
 
@@ -99,6 +122,10 @@ def plan(
     tp_embeddings: with TP, what the embedding and output head do: "split" across the TP
       group by vocabulary rows (the default: torchtitan's plan, loss parallel) or
       "replicate" (whole on every TP rank, as `shardwise train --parallel.tp` runs its GPT).
+    quantize: None, "nf4" or `sw.NF4(...)`: the model's frozen linears held in NF4, as
+      `sw.load_pretrained(model, path, quantize=...)` loads them (QLoRA: a peft model built
+      on the meta device); their shards, gathers and dequantization are planned as torchao
+      stores and computes them ([Note: NF4 dequantization] in planner/memory.py).
 
     A model with a context length (a GPT preset, a Hugging Face config) is planned for
     batch 1 at that length unless told otherwise (a note says so); without a sequence
@@ -113,7 +140,8 @@ def plan(
                 seq_len=seq_len, activation_checkpointing=activation_checkpointing,
                 device=device, interconnect=interconnect, shape=shape,
                 ranks_per_node=ranks_per_node, rank=rank, tensor_parallel=tensor_parallel,
-                sequence_parallel=sequence_parallel, tp_embeddings=tp_embeddings)
+                sequence_parallel=sequence_parallel, tp_embeddings=tp_embeddings,
+                quantize=quantize)
     what = model_or_param_count
     if not isinstance(what, (nn.Module, int, float)):  # read a config once, not per plan
         what = resolve_model(what, shape)
@@ -173,6 +201,7 @@ def plan_one(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     tp_embeddings: str = "split",
+    quantize: str | NF4 | None = None,
     search_batch: bool = True,
 ) -> Plan:
     """One plan, without alternatives (`search_batch`: bisect the largest batch)."""
@@ -196,7 +225,15 @@ def plan_one(
     if interconnect is not None:
         interconnect_profile(interconnect, dev)  # an unknown name fails here, device or not
     shape = coerce_shape(shape)
-    mu = model_units(model_or_param_count, auto_wrap_policy, shape)
+    nf4 = resolve(quantize)
+    if nf4 is not None and tp > 1:
+        raise ValueError(f"quantize=nf4 with tensor_parallel={tp} is not supported: NF4 shards "
+                         "a weight by rows over the FSDP ranks only")
+    if nf4 is not None and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError("quantize=nf4 with NO_SHARD is not supported: NF4 weights gather "
+                         "through FSDP2's all-gather hooks; use FULL_SHARD, SHARD_GRAD_OP or "
+                         "HYBRID_SHARD")
+    mu = model_units(model_or_param_count, auto_wrap_policy, shape, nf4)
     # TP: plan one rank of the dp group with 1/tp of each block ([planner/tp.py]).
     full_world, total_params = world_size, mu.numel
     if tp > 1:
@@ -211,18 +248,22 @@ def plan_one(
         raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
     phys_per_node, per_node = per_node, max(1, per_node // tp)  # dp ranks per node
     S, R = _layout(strategy, world_size, per_node)
+    if nf4 is not None:
+        _check_nf4(mu, S, nf4)
     host_offload = offload and not (dev is not None and dev.is_cpu)
     reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     # [Note: DTensor parameters]: only NO_SHARD without TP keeps plain (maybe direct) ones.
     plain = strategy is ShardingStrategy.NO_SHARD and tp == 1
     balance = tp == 1  # the engine shards TP parameters on dim 0 ([Note: balanced shards])
-    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain, R, balance) for u in mu.units]
+    costs = [unit_cost(u, S, rank % S, mp, host_offload, plain, R, balance, nf4, mu.quantized)
+             for u in mu.units]
     foreach = dev.optimizer_foreach if dev is not None else True
     states = model_states(costs, opt, foreach)
     spread = shard_balance(list(mu.units), S, lambda r: model_states(
-        [unit_cost(u, S, r, mp, host_offload, plain, R, balance) for u in mu.units],
+        [unit_cost(u, S, r, mp, host_offload, plain, R, balance, nf4, mu.quantized)
+         for u in mu.units],
         opt, foreach).model_states_bytes, balance)
-    act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or torch.float32
+    act_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or _model_dtype(mu)
     act_bytes = torch.empty((), dtype=act_dtype, device="meta").element_size()
     notes = list(mu.notes)
     context = mu.shape.context_length if mu.shape is not None else 0
@@ -234,6 +275,11 @@ def plan_one(
                          "model's context length (pass batch_size and seq_len for another)")
         else:
             notes.append(f"seq_len: the model's context length, {context}")
+    elif seq_len is not None and batch_size is None:
+        # The documented default (--help: batch 1 unless --batch-size is given).
+        batch_size = 1
+        notes.append(f"activations and time for batch 1 x {seq_len} tokens per rank (pass "
+                     "batch_size for another)")
     if host_offload:
         notes.append("CPU offload: parameters, gradients and optimizer state live in host "
                      "memory (host_bytes); the device holds gathered units and activations")
@@ -259,9 +305,6 @@ def plan_one(
     elif acts is None and batch_size:
         notes.append(f"batch_size={batch_size} without seq_len (the model has no context "
                      "length): activations and time unknown; pass seq_len")
-    elif acts is None and seq_len:
-        notes.append(f"seq_len={seq_len} without batch_size: activations and time unknown; "
-                     "pass batch_size")
     elif acts is None:
         notes.append("no batch_size and seq_len, and no context length to assume: "
                      "activations and time unknown")
@@ -273,6 +316,7 @@ def plan_one(
         params_bytes=states.params_bytes, grads_bytes=states.grads_bytes,
         optimizer_bytes=states.optimizer_bytes, model_states_bytes=states.model_states_bytes,
         unsharded_bytes=peaks.unsharded, comm_buffers_bytes=peaks.comm_buffers,
+        frozen_bytes=sum(c.frozen_bytes for c in costs), dequant_bytes=peaks.dequant,
         activations_bytes=peaks.activations if acts is not None else None,
         buffers_bytes=mu.buffers_bytes, optimizer_temp_bytes=states.optimizer_temp_bytes,
         peak_forward_bytes=peaks.forward, peak_backward_bytes=peaks.backward,
@@ -309,6 +353,10 @@ def plan_one(
     elif interconnect is not None:
         link_names = interconnect if isinstance(interconnect, str) else interconnect.name
 
+    if time is not None and per_rank.frozen_bytes:
+        notes.append("time as for training every weight: a fine-tune computes no gradient "
+                     "for its frozen weights (about a third of the matmul FLOPs less) and "
+                     "dequantizes an NF4 base in every linear (not timed)")
     comm = T.comm_volume(colls)
     tpc = None
     if tp > 1 and mu.shape is not None:

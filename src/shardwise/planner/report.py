@@ -51,14 +51,22 @@ def headline(p: Plan, label: str | None = None) -> str:
 def table(p: Plan) -> list[str]:
     """The chosen strategy, term by term, with the verdict and what would fit instead."""
     r = p.per_rank
+    if r.frozen_bytes:  # a fine-tune: the frozen base apart from what trains
+        base = "NF4 linears" if r.dequant_bytes else "as stored"
+        params = [(f"frozen base (sharded, {base})", r.frozen_bytes),
+                  ("trained parameters (sharded)", r.params_bytes - r.frozen_bytes)]
+    else:
+        params = [("parameters (sharded, fp32 masters)", r.params_bytes)]
     rows = [
-        ("parameters (sharded, fp32 masters)", r.params_bytes),
+        *params,
         ("gradients (sharded)", r.grads_bytes),
         (f"optimizer state ({p.optimizer})", r.optimizer_bytes),
         ("= model states", r.model_states_bytes),
         ("gathered units, peak (prefetch incl.)", r.unsharded_bytes),
         ("communication buffers, peak", r.comm_buffers_bytes),
         ("activations, peak", r.activations_bytes),
+        *([("NF4 dequantization, peak (largest weight)", r.dequant_bytes)]
+          if r.dequant_bytes else []),
         ("module buffers", r.buffers_bytes),
         ("optimizer step temporaries", r.optimizer_temp_bytes),
     ]

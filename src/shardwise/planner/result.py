@@ -17,7 +17,7 @@ class PerRank:
     peak of their sum (they do not all peak together: activations are gone before the
     optimizer's temporaries appear)."""
 
-    params_bytes: int  # sharded parameters (fp32 masters), padded
+    params_bytes: int  # sharded parameters (the masters, frozen ones included), padded
     grads_bytes: int  # sharded gradients after the reduction
     optimizer_bytes: int  # optimizer state of the sharded parameters
     model_states_bytes: int  # the three above
@@ -31,6 +31,12 @@ class PerRank:
     peak_step_bytes: int
     total_bytes: int  # the step's peak: what must fit
     host_bytes: int  # model states moved to host memory by CPU offload
+    # Of params_bytes, the parameters that train nothing (a LoRA run's frozen base; NF4
+    # shards under QLoRA: codes, scalers and factors as torchao stores them).
+    frozen_bytes: int = 0
+    # The largest NF4 weight dequantized inside its linear, for a moment, in forward and
+    # backward ([Note: NF4 dequantization] in planner/memory.py); 0 without NF4.
+    dequant_bytes: int = 0
 
 
 @dataclass(frozen=True)

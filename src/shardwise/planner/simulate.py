@@ -60,6 +60,7 @@ class PhasePeaks:
     unsharded: int = 0  # most bytes of gathered parameters (and their gather buffers) at once
     comm_buffers: int = 0  # most bytes held by the buffer pool (+ backend scratch) at once
     activations: int = 0  # most activation bytes at once
+    dequant: int = 0  # the largest NF4 weight's dequantization, for a moment
     # Most all-gathers (issued ahead) and reductions in flight at once, as the schedule ran.
     gathers_in_flight: int = 0
     reduces_in_flight: int = 0
@@ -197,6 +198,10 @@ class _Sim:
 
     def forward(self, unit: _SimUnit) -> None:
         self.t.add(self.acts.layer * unit.cost.layers, "acts")
+        # Its largest NF4 weight dequantized for a moment (at the unit's last linears, with
+        # its activations made: [Note: NF4 dequantization] in memory.py).
+        self.t.add(unit.cost.dequant_bytes, "dequant")
+        self.t.add(-unit.cost.dequant_bytes, "dequant")
 
     def head_forward(self) -> None:
         a = self.acts
@@ -214,18 +219,23 @@ class _Sim:
     def backward(self, unit: _SimUnit) -> None:
         a = self.acts
         self._compute_backward(a.layer * unit.cost.layers, a.layer_backward * unit.cost.layers,
-                               unit.cost.full_grad_bytes)
+                               unit.cost.full_grad_bytes, unit.cost.dequant_bytes)
 
     def root_backward(self) -> None:
         # Blocks attributed to the root (no unit of their own) run inside its backward.
         a, root = self.acts, self.units[0]
         self._compute_backward(a.layer * root.cost.layers, a.layer_backward * root.cost.layers,
-                               0)
+                               0, root.cost.dequant_bytes)
 
-    def _compute_backward(self, saved: int, transient: int, full_grads: int) -> None:
+    def _compute_backward(self, saved: int, transient: int, full_grads: int,
+                          dequant: int = 0) -> None:
         """One unit's backward: its gradients in flight appear; as autograd walks back
         through the unit, saved activations are released while weight gradients appear, so
-        the two trade places (the peak is the larger of them, not their sum)."""
+        the two trade places (the peak is the larger of them, not their sum). An NF4 weight
+        is dequantized again for its input gradient, while the saved activations are
+        still there (the last linears run backward first)."""
+        self.t.add(dequant, "dequant")
+        self.t.add(-dequant, "dequant")
         self.t.add(transient, "acts")
         self.t.add(-saved, "acts")
         self.t.add(full_grads, "full_grads")
@@ -264,6 +274,7 @@ def simulate(costs: list[UnitCost], *, shard_size: int, reshard_after_forward: b
     peaks.unsharded = pp.get("unsharded", 0)
     peaks.comm_buffers = pp.get("comm", 0)
     peaks.activations = pp.get("acts", 0)
+    peaks.dequant = pp.get("dequant", 0)
     peaks.gathers_in_flight = sim.schedule.most_gathers
     peaks.reduces_in_flight = sim.schedule.most_reduces
     return peaks

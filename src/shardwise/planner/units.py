@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..checkpoint.quantize import NF4
 from ..engine.api.fully_shard import ParamSpec, UnitSpec, assign_params, wrap_targets
 from ..engine.core.policies import WrapPolicyLike, find_block_classes, resolve_wrap_policy
 from .shape import TransformerShape, shape_of_model
@@ -50,6 +51,9 @@ class ModelUnits:
     buffers_bytes: int
     shape: TransformerShape | None
     notes: tuple[str, ...] = ()
+    # A QLoRA base: the parameters the loader holds as NF4 (checkpoint/quantize.py's
+    # `frozen_linears`: frozen nn.Linear weights outside the spec's skip list).
+    quantized: frozenset[str] = frozenset()
 
     @property
     def numel(self) -> int:
@@ -61,8 +65,9 @@ def _is_within(name: str, unit: str) -> bool:
 
 
 def units_of_model(model: nn.Module, policy: WrapPolicyLike,
-                   shape: TransformerShape | None) -> ModelUnits:
-    """`shard_model`'s units for `model` (best built on the meta device: nothing allocated)."""
+                   shape: TransformerShape | None, quantize: NF4 | None = None) -> ModelUnits:
+    """`shard_model`'s units for `model` (best built on the meta device: nothing allocated);
+    `quantize`: the NF4 spec its frozen linears load with (`load_pretrained(quantize=)`)."""
     targets = wrap_targets(model, resolve_wrap_policy(policy, model))
     specs = {u.name: u for u in assign_params(model, targets)}
     order = [name for name, _ in model.named_modules() if name in specs]
@@ -85,7 +90,15 @@ def units_of_model(model: nn.Module, policy: WrapPolicyLike,
 
     units = tuple(PlanUnit(specs[n], layers[n], n == "") for n in order)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ModelUnits(units, buffers, shape, tuple(notes))
+    quantized: frozenset[str] = frozenset()
+    if quantize is not None:
+        from ..checkpoint.quantize import frozen_linears
+
+        quantized = frozenset(f"{n}.weight" for n, _ in frozen_linears(model, quantize))
+        if not quantized:
+            raise ValueError("quantize=nf4 finds no frozen nn.Linear weight to quantize: "
+                             "freeze the base first (peft's get_peft_model does)")
+    return ModelUnits(units, buffers, shape, tuple(notes), quantized)
 
 
 def _is_gpt(s: TransformerShape) -> bool:
@@ -230,13 +243,19 @@ def resolve_model(what: object, shape: TransformerShape | None) -> object:
 
 
 def model_units(what: object, policy: WrapPolicyLike,
-                shape: TransformerShape | None) -> ModelUnits:
-    """The units of a model, a config, a shape or a bare parameter count."""
+                shape: TransformerShape | None, quantize: NF4 | None = None) -> ModelUnits:
+    """The units of a model, a config, a shape or a bare parameter count; `quantize` (a
+    model's frozen linears in NF4) needs a model."""
     what = resolve_model(what, shape)
     if isinstance(what, ModelUnits):
         return what
     if isinstance(what, nn.Module):
-        return units_of_model(what, policy, shape or shape_of_model(what))
+        return units_of_model(what, policy, shape or shape_of_model(what), quantize)
+    if quantize is not None:
+        raise ValueError("quantize=nf4 needs a model (built on the meta device, its base "
+                         "frozen by peft) to know which weights are frozen linears; a config, "
+                         "shape or count has none (shardwise plan: --model.hf DIR or --config "
+                         "with --lora.rank)")
     if isinstance(what, TransformerShape):
         if shape is not None and shape != what:
             raise ValueError(f"shape={shape!r}: the model is already a TransformerShape")

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Folders of the standard library that are test suites or vendored third-party code: they
 # are the least representative Python, and some contain deliberately broken files.
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 SEPARATOR = b"\n\n"
+IGNORE = -100  # a target that does not count (F.cross_entropy's default ignore_index)
 
 
 def stdlib_files() -> list[Path]:
@@ -201,13 +203,24 @@ class BatchStream:
         self._order = self._epoch_order(self.epoch)
 
 
-def val_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, rank: int, world: int,
-                n_batches: int, device: torch.device | str = "cpu",
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The same fixed validation batches every time: the first windows in order, cycled."""
+def eval_rows(tokens: torch.Tensor, seq_len: int,
+              ) -> tuple[int, Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]]]:
+    """The validation split as (number of rows, rows of row ids): its windows in order, then
+    the tail they leave (fewer than seq_len targets, padded with -100 targets), so that every
+    byte after the first is a target exactly once."""
     w = windows(tokens, seq_len)
-    dev = torch.device(device)
-    for b in range(n_batches):
-        start = (b * world + rank) * batch_size
-        idx = torch.arange(start, start + batch_size) % len(w)
-        yield _to_batch(w[idx], dev)
+    n = len(w)
+    left = len(tokens) - 1 - n * seq_len  # targets after the last full window
+    rows = w
+    if left > 0:
+        last = torch.zeros(1, seq_len + 1, dtype=tokens.dtype)
+        last[0, : left + 1] = tokens[n * seq_len :]
+        rows = torch.cat([w, last])
+
+    def get(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _to_batch(rows[torch.from_numpy(idx)], torch.device("cpu"))
+        if left > 0:
+            y[torch.from_numpy(idx == n), left:] = IGNORE
+        return x, y
+
+    return len(rows), get

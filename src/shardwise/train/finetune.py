@@ -17,7 +17,10 @@ not give (command line, --config file, or a resumed run's saved config.toml):
 - train.epochs 1 (train.steps unset): one pass over the training split; a fine-tuning set
   is small and more passes start to memorize it. Raise it for very small sets;
 - log.sample_prompt "": the sample at the end continues the start of the validation split
-  (the toy GPT's `def ` means nothing to a chat model).
+  (the toy GPT's `def ` means nothing to a chat model);
+- train.eval_batches 0: each evaluation covers the whole eval set, every token once (a
+  fine-tune's eval file is what its loss is judged on; the built-in GPT samples 8 batches
+  per rank of its large held-out split).
 
 An explicit value always wins. Giving train.steps drops the epochs default.
 
@@ -54,7 +57,7 @@ def implied_defaults(values: dict[str, Any]) -> dict[str, Any]:
         except ValueError:
             lora = False  # a bad lora.rank: the config's own check names it
         d.update({"train.lr": LORA_LR if lora else FULL_LR, "train.weight_decay": 0.0,
-                  "train.beta2": 0.999, "log.sample_prompt": ""})
+                  "train.beta2": 0.999, "log.sample_prompt": "", "train.eval_batches": 0})
         if "train.warmup_steps" not in values:
             d.update({"train.warmup_steps": 0, "train.warmup_ratio": 0.03})
         if "train.steps" not in values and "train.epochs" not in values:

@@ -9,19 +9,24 @@ is one document. A record file's first record decides its format, and every late
 must carry the same field:
 
 - `{"text": ...}`: one document; every token counts for the loss.
-- `{"prompt": ..., "completion": ...}`: the two are tokenized separately and joined; only the
-  completion's tokens (and the EOS that closes it) count.
-- `{"messages": [{"role": ..., "content": ...}, ...]}`: a conversation, rendered by the
-  tokenizer's chat template; only the assistant turns count (their content and whatever the
-  template writes after it up to the next turn, e.g. `<|im_end|>`). A tokenizer without a
-  chat template gets a plain format: one `{role}: {content}` line per message, each assistant
-  turn closed by the EOS token before its newline (`assistant: Hi!<eos>`); at sampling time
-  the prompt ends with `assistant: `.
+- `{"prompt": ..., "completion": ...}`: as TRL's SFT with `completion_only_loss`: the EOS
+  is added to the completion (unless it ends with it), `prompt + completion` is tokenized as
+  one text, and the tokens from where it stops agreeing with the prompt tokenized alone
+  count.
+- `{"messages": [{"role": ..., "content": ...}, ...]}`: a conversation, rendered and
+  tokenized by the tokenizer's chat template (no EOS added); the targets are exactly TRL's
+  SFT with `assistant_only_loss=True`: the tokens the template renders inside its
+  `{% generation %}` ... `{% endgeneration %}` blocks. A template without those markers
+  cannot say which tokens are the assistant's: then each assistant turn counts from the end
+  of the generation prompt to the end of the turn, less the whitespace the template writes
+  after it (`Hi!<|im_end|>`, not the newline), and the run says so in one warning line. A
+  tokenizer without a chat template gets a plain format: one `{role}: {content}` line per
+  message, each assistant turn closed by the EOS token before its newline
+  (`assistant: Hi!<eos>`, which counts up to the EOS); at sampling time the prompt ends
+  with `assistant: `.
 
-Each document is `[BOS if the tokenizer adds one] + tokens + [EOS]`; the BOS never counts and
-the closing EOS counts when the token before it does (a text or a completion: yes; a
-conversation ending on a user turn: no). Documents are then packed back to back
-(token_cache.py, token_parts.py).
+A text is `[BOS if the tokenizer adds one] + tokens + [EOS]`, every token but the BOS
+counting. Documents are then packed back to back (token_cache.py, token_parts.py).
 A mask rather than -100 labels is stored: one byte per token, turned into -100 targets per
 batch (what `F.cross_entropy` and Hugging Face's `labels` ignore by default).
 
@@ -31,6 +36,8 @@ transformers is imported on first use only: `import shardwise` stays torch-only.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +60,25 @@ RECORD_SUFFIXES = (".json", ".parquet", ".arrow")
 _PIECE_CHARS = 1 << 20
 # Documents per call into the Rust tokenizer (it encodes a batch in parallel).
 BATCH_DOCS = 512
+# A chat template that marks the assistant's tokens (what TRL's assistant_only_loss reads).
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+log = logging.getLogger(__name__)
+
+
+def marks_assistant(tok: Any) -> bool:
+    """Whether the tokenizer's chat template has `{% generation %}` blocks."""
+    t = getattr(tok, "chat_template", None)
+    if isinstance(t, dict):
+        t = t.get("default", "")
+    return bool(t) and _GENERATION.search(t) is not None
+
+
+def unmarked_note(folder: str) -> str:
+    """The warning for chat records under a template without generation markers."""
+    return (f"the chat template of {folder!r} has no {{% generation %}} markers, so it cannot "
+            "mark the assistant's tokens: each assistant turn counts from the end of the "
+            "generation prompt to the end of the turn, trailing whitespace excluded (TRL's "
+            "assistant_only_loss needs the markers; add them to the template to match it)")
 
 
 def tokenizer_files(folder: str | Path) -> list[Path]:
@@ -86,9 +112,9 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tok
 
 
-def data_files(path: str | Path) -> list[Path]:
+def data_files(path: str | Path, option: str = "data.path") -> list[Path]:
     """The files of `data.path`: the file itself, or every file under the folder, sorted by
-    path (hidden files and folders skipped)."""
+    path (hidden files and folders skipped). `option`: the option named in errors."""
     p = Path(path).expanduser()
     if p.is_file():
         return [p]
@@ -97,8 +123,8 @@ def data_files(path: str | Path) -> list[Path]:
             part.startswith(".") for part in q.relative_to(p).parts) and not _dataset_meta(q))
         if files:
             return files
-        raise ValueError(f"data.path={str(path)!r} is a folder with no files")
-    raise ValueError(f"data.path={str(path)!r} does not exist")
+        raise ValueError(f"{option}={str(path)!r} is a folder with no files")
+    raise ValueError(f"{option}={str(path)!r} does not exist")
 
 
 def _dataset_meta(f: Path) -> bool:
@@ -250,6 +276,8 @@ class Encoder:
         # The largest id + 1 (added tokens may sit past len(tok)): it decides the file dtype.
         self.vocab_size = max(len(tok), max(tok.get_vocab().values(), default=0) + 1)
         self.chat_template = bool(getattr(tok, "chat_template", None))
+        self.marked = self.chat_template and marks_assistant(tok)
+        self.warned = False  # the unmarked-template warning, once
         # What the tokenizer puts around a text by itself (a BOS for Llama, nothing for
         # GPT-2): the part before the text is kept, an EOS after it is ours to add.
         with_special = tok("a")["input_ids"]
@@ -281,12 +309,29 @@ class Encoder:
         for (i, _), ps in zip(texts, pieces):
             out[i] = self._doc([(t, 1) for t in (next(flat) for _ in ps)])
         pcs = [(i, d) for i, d in enumerate(docs) if d[0] == "pc"]
-        p_ids = self._ids([d[1] for _, d in pcs])
-        c_ids = self._ids([d[2] for _, d in pcs])
-        for (i, _), p, c in zip(pcs, p_ids, c_ids):
-            out[i] = self._doc([(p, 0), (c, 1)])
-        chats = [(i, self._render(d[1], wheres[i])) for i, d in enumerate(docs)
-                 if d[0] == "chat"]
+        if pcs:
+            # TRL's completion_only_loss: the prompt alone, and prompt + completion + EOS as
+            # one text (each with the tokenizer's own special tokens).
+            eos = self.tok.eos_token
+            p_ids = self.tok([d[1] for _, d in pcs])["input_ids"]
+            f_ids = self.tok([d[1] + d[2] + ("" if d[2].endswith(eos) else eos)
+                              for _, d in pcs])["input_ids"]
+            for (i, _), p, f in zip(pcs, p_ids, f_ids):
+                k = next((j for j, (a, b) in enumerate(zip(p, f)) if a != b), min(len(p),
+                                                                                len(f)))
+                out[i] = Encoded(np.asarray(f, dtype=np.int64),
+                                 np.asarray([0] * k + [1] * (len(f) - k), dtype=np.uint8))
+        chat_ids = [i for i, d in enumerate(docs) if d[0] == "chat"]
+        if chat_ids and self.marked:
+            got = self._apply([docs[i][1] for i in chat_ids], wheres, chat_ids)
+            for i, ids, mask in zip(chat_ids, got["input_ids"], got["assistant_masks"]):
+                out[i] = Encoded(np.asarray(ids, dtype=np.int64),
+                                 np.asarray(mask, dtype=np.uint8))
+            chat_ids = []
+        chats = [(i, self._render(docs[i][1], wheres[i])) for i in chat_ids]
+        if chats and not self.warned:
+            self.warned = True
+            log.warning("%s", unmarked_note(getattr(self.tok, "name_or_path", "")))
         if chats:
             enc = self.tok([t for _, (t, _) in chats], add_special_tokens=False,
                            return_offsets_mapping=True)
@@ -303,10 +348,19 @@ class Encoder:
         for a, b in spans:
             counts |= ((starts >= a) & (starts < b)).astype(np.uint8)
         prefix = [] if self.chat_template else self.prefix
-        last = int(counts[-1]) if len(ids) else 0
-        return Encoded(np.asarray([*prefix, *ids, self.eos], dtype=np.int64),
-                       np.concatenate([np.zeros(len(prefix), np.uint8), counts,
-                                       np.asarray([last], np.uint8)]))
+        return Encoded(np.asarray([*prefix, *ids], dtype=np.int64),
+                       np.concatenate([np.zeros(len(prefix), np.uint8), counts]))
+
+    def _apply(self, conversations: list[list[dict[str, str]]], wheres: Sequence[str],
+               at: list[int]) -> Any:
+        """TRL's tokenization of conversations: the template's ids and assistant masks."""
+        try:
+            return self.tok.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+        except Exception:  # noqa: BLE001 - find the conversation the template refused
+            for i, c in zip(at, conversations):
+                self._text(c, False, wheres[i])
+            raise
 
     def _render(self, messages: list[dict[str, str]],
                 where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -326,7 +380,9 @@ class Encoder:
                     "prefix by "
                     "prefix (rendering messages[:k] is not the start of rendering all of "
                     "them), so its assistant turns cannot be located for the loss mask")
-            spans.append((len(head), len(upto)))
+            # The turn's end, less the whitespace the template writes after it (a newline
+            # after <|im_end|> belongs to the layout, not to the reply).
+            spans.append((len(head), len(upto.rstrip())))
         return full, spans
 
     def _text(self, messages: list[dict[str, str]], generation_prompt: bool, where: str) -> str:

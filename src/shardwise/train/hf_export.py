@@ -176,7 +176,8 @@ def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str,
                 entries.append((name, Entry(key, qlora_dtype(cfg, dtype),
                                             tuple(sl.get_shape()))))
     # QLoRA: the base linears the run held in NF4 are merged from their dequantized values.
-    quantized = quantized_keys([e.key for _, e in entries], linear_names(src)) \
+    spec = cfg.model.nf4()  # the run's model.nf4_* (an older run's config: the defaults)
+    quantized = quantized_keys([e.key for _, e in entries], linear_names(src), spec) \
         if cfg.model.quantize else set()
     writer = ConsolidatedWriter(out, [e for _, e in entries], max_shard_bytes, meta)
     used = set()
@@ -187,7 +188,7 @@ def _merged(cfg: Config, adapters: dict[str, torch.Tensor], out: str,
                     t = f.get_tensor(key)
                     out_dtype = qlora_dtype(cfg, t.dtype)
                     if key in quantized:
-                        t = as_trained(t, DTYPES[cfg.model.dtype])
+                        t = as_trained(t, DTYPES[cfg.model.dtype], spec)
                     if key in pairs:
                         a, b = pairs[key]
                         delta = b.float() @ a.float()  # (out, in)

@@ -49,7 +49,11 @@ def config(path: str) -> dict:
 
 
 def max_positions(path: str) -> int:
-    c = config(path)
+    return positions_of(config(path))
+
+
+def positions_of(c: dict) -> int:
+    """The positions a model's config.json declares (2048 when it names none)."""
     for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         if isinstance(c.get(k), int) and c[k] > 0:
             return int(c[k])

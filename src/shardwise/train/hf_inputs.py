@@ -89,6 +89,24 @@ def data_key(cfg: Config) -> str:
     return h.hexdigest()[:24]
 
 
+def check_files(cfg: Config) -> None:
+    """Before any worker starts: every source and the evaluation set has files, not all
+    empty; the error names the option that gave the path (data.path, data.mix or
+    data.eval_path)."""
+    from .hf_data import data_files
+
+    d = cfg.data
+    given = [("data.mix" if d.mix else "data.path", resolve(p, "train"))
+             for p, _ in sources(d)]
+    if d.eval_path:
+        given.append(("data.eval_path", resolve(d.eval_path, "eval")))
+    for option, path in given:
+        files = data_files(path, option)
+        if not any(f.stat().st_size for f in files):
+            what = "to evaluate on" if option == "data.eval_path" else "to train on"
+            raise ValueError(f"{option}={path!r} holds no text {what} (its files are empty)")
+
+
 @dataclass
 class HFData:
     train: Mixture

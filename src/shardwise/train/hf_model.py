@@ -17,20 +17,24 @@ from torch import nn
 
 import shardwise as sw
 
-from .config import Config
-from .qlora import SPEC, init_adapters
+from .config import Config, ModelSection
+from .config_outputs import LoraSection
+from .qlora import init_adapters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE = -100  # a target the loss does not count (prompt tokens, padding)
 
 
 def lora_config(cfg: Config) -> Any:
+    return _lora_config(cfg.lora, cfg.model.hf)
+
+
+def _lora_config(lo: LoraSection, base: str) -> Any:
     from peft import LoraConfig
 
-    lo = cfg.lora
     return LoraConfig(r=lo.rank, lora_alpha=lo.scale(), lora_dropout=lo.dropout,
                       target_modules=lo.target_list(), task_type="CAUSAL_LM",
-                      base_model_name_or_path=cfg.model.hf)
+                      base_model_name_or_path=base or None)
 
 
 def check_targets(model: nn.Module, targets: list[str], given: str = "") -> None:
@@ -53,19 +57,29 @@ def check_targets(model: nn.Module, targets: list[str], given: str = "") -> None
 
 
 def _meta_model(cfg: Config) -> nn.Module:
+    return meta_model(cfg.model, cfg.lora)
+
+
+def meta_model(model_section: ModelSection, lora: LoraSection,
+               hf_config: Any = None) -> nn.Module:
+    """The run's model on the meta device, as `build_hf` starts from it (and `shardwise
+    plan` plans it): the folder's architecture (or `hf_config`, a transformers config) in
+    model.dtype, with the run's LoRA adapters (peft; the base frozen)."""
     import transformers as tf
 
-    hf_cfg = tf.AutoConfig.from_pretrained(cfg.model.hf, local_files_only=True)
+    if hf_config is None:
+        hf_config = tf.AutoConfig.from_pretrained(model_section.hf, local_files_only=True)
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(hf_cfg, dtype=DTYPES[cfg.model.dtype])
-    if cfg.lora.rank:
+        model = tf.AutoModelForCausalLM.from_config(hf_config,
+                                                    dtype=DTYPES[model_section.dtype])
+    if lora.rank:
         from peft import get_peft_model
 
-        check_targets(model, cfg.lora.target_list() or [], cfg.lora.targets)
+        check_targets(model, lora.target_list() or [], lora.targets)
         try:
-            model = get_peft_model(model, lora_config(cfg))
+            model = get_peft_model(model, _lora_config(lora, model_section.hf))
         except ValueError as e:  # e.g. a target that matches no module
-            raise ValueError(f"lora.targets={cfg.lora.targets!r}: {e}") from None
+            raise ValueError(f"lora.targets={lora.targets!r}: {e}") from None
     return model
 
 
@@ -97,7 +111,7 @@ def build_hf(cfg: Config) -> nn.Module:
     # QLoRA: the frozen base linears become NF4 as they load (qlora.py), each rank
     # quantizing its own rows; the plain shards materialize made are dropped.
     sw.load_pretrained(model, cfg.model.hf, strict=not cfg.lora.rank,
-                       quantize=SPEC if cfg.model.quantize else None)
+                       quantize=cfg.model.nf4() if cfg.model.quantize else None)
     return model
 
 

@@ -123,12 +123,12 @@ class MetricLog:
     each record's scalars under torchtitan's names (observe/metric_sinks.py)."""
 
     def __init__(self, run_dir: Path, sinks: list[str], name: str, config: dict[str, Any],
-                 world: int) -> None:
+                 world: int, resumed_at: int = 0) -> None:
         from ..observe.metric_sinks import open_sinks
 
         self.file = MetricsFile(run_dir / "metrics.jsonl")
         self.world = world
-        self.sinks = open_sinks(sinks, run_dir, name, config)
+        self.sinks = open_sinks(sinks, run_dir, name, config, resumed_at)
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(record)
@@ -145,8 +145,9 @@ class MetricLog:
             sink.close()
 
 
-def open_metric_log(cfg: Any, run_dir: Path, world: int) -> MetricLog:
-    """The MetricLog of a `shardwise train` run (`cfg`: its train.config.Config)."""
+def open_metric_log(cfg: Any, run_dir: Path, world: int, resumed_at: int = 0) -> MetricLog:
+    """The MetricLog of a `shardwise train` run (`cfg`: its train.config.Config; resumed_at:
+    the step it resumes from, 0 for a fresh run)."""
     import dataclasses
 
     from ..observe.metric_sinks import parse_sinks
@@ -157,4 +158,4 @@ def open_metric_log(cfg: Any, run_dir: Path, world: int) -> MetricLog:
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             flat[key] = value
-    return MetricLog(run_dir, parse_sinks(cfg.log.to), cfg.name, flat, world)
+    return MetricLog(run_dir, parse_sinks(cfg.log.to), cfg.name, flat, world, resumed_at)

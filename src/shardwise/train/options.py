@@ -114,6 +114,22 @@ def build(values: dict[str, Any]) -> Config:
     return Config(**top, **sections)
 
 
+def build_section(section: str, values: dict[str, Any]) -> Any:
+    """One validated section of the config (`model`, `lora`, ...) from flat dotted keys of
+    that section, converted and checked as `build` converts and checks them; keys not given
+    take the section's defaults. For a command that takes some of train's options under
+    train's names (`shardwise plan --model.hf DIR --lora.rank 8`)."""
+    cls = _section_types(Config)[section]
+    types = _section_types(cls)
+    kw = {}
+    for key, raw in values.items():
+        prefix, _, name = key.rpartition(".")
+        if prefix != section or name not in types:
+            raise _unknown(key, [f"{section}.{n}" for n in types])
+        kw[name] = _convert(key, raw, types[name])
+    return cls(**kw)
+
+
 def flatten_toml(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in data.items():

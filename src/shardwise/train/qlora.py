@@ -22,7 +22,8 @@ from ..engine.ext.materialize import lora_adapters
 from .hf_deps import missing
 
 # torchao's default blocks (64 values per scaler, 256 scalers per factor), as torchtune's
-# and peft's QLoRA recipes quantize; the output head stays in the model's dtype.
+# and peft's QLoRA recipes quantize; the output head stays in the model's dtype. A run's own
+# spec is its config's (ModelSection.nf4: --model.nf4_block_size and the rest).
 SPEC = NF4()
 
 
@@ -42,22 +43,22 @@ def check_quantize(kind: str, lora_rank: int, strategy: str) -> None:
                          "pip install 'shardwise[qlora]'")
 
 
-def quantized_keys(keys: list[str], linears: list[str]) -> set[str]:
+def quantized_keys(keys: list[str], linears: list[str], spec: NF4 = SPEC) -> set[str]:
     """The stored keys a QLoRA run held in NF4: the weights of `linears` (the base model's
-    nn.Linear module names) outside SPEC.skip."""
+    nn.Linear module names) outside spec.skip (the run's model.nf4_skip)."""
     names = {f"{n}.weight" for n in linears
-             if not any(n == s or n.endswith("." + s) for s in SPEC.skip)}
+             if not any(n == s or n.endswith("." + s) for s in spec.skip)}
     return {k for k in keys if k in names or any(n.endswith("." + k) or k.endswith("." + n)
                                                  for n in names)}
 
 
-def as_trained(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_trained(t: torch.Tensor, dtype: torch.dtype, spec: NF4 = SPEC) -> torch.Tensor:
     """The values a QLoRA run computed with for base weight `t`: to_nf4 of it in the run's
     model dtype, dequantized (what the sharded NF4 shards gather to, bit for bit)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    return to_nf4(t.to(dtype).contiguous(), SPEC.block_size,
-                  SPEC.scaler_block_size).get_original_weight()
+    return to_nf4(t.to(dtype).contiguous(), spec.block_size,
+                  spec.scaler_block_size).get_original_weight()
 
 
 def qlora_dtype(cfg: object, stored: torch.dtype) -> torch.dtype:

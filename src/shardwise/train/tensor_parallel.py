@@ -14,7 +14,7 @@ the plan is the same one, written out:
 Per block and step that is Megatron's two all-reduces forward (`tp_exit`, after attention
 and after the MLP) and two backward (`tp_enter`, the gradient of each branch's input), each
 of batch x seq x d_model elements. The weights are DTensors on the TP mesh, so fully_shard
-shards them as any TP parameter ([Note: FSDP x TP] in engine/core/tp.py); the modules compute
+shards them as any TP parameter ([Note: FSDP x TP] in engine/core/dtensor.py); the modules compute
 with their local tensors (`local`), whose gradients autograd hands back to the DTensors.
 """
 

@@ -40,7 +40,7 @@ import numpy as np
 from . import hf_data as H
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # 2: docs.bin, the start of each document
+FORMAT = 3  # 2: docs.bin, the start of each document; 3: TRL's chat and completion targets
 IGNORE = -100  # the target of a position that does not count (F.cross_entropy's default)
 _HASH_CHUNK = 1 << 22
 

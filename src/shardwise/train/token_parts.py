@@ -23,7 +23,7 @@ never counts and, being after the text, is never attended to by it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,19 +70,25 @@ def held_out(p: Pieces, val_fraction: float, seed: int) -> np.ndarray:
 
 def split(data: TokenData, val_fraction: float, seq_len: int, seed: int,
           packed: bool = True) -> tuple[TokenPart, TokenPart]:
-    """(training, validation) samples of one entry ([Note: held-out split])."""
+    """(training, validation) samples of one entry ([Note: held-out split]); the validation
+    side keeps its packed tail ([Note: evaluation set] in eval_metrics.py)."""
     p = pieces(data, seq_len + 1)
     held = held_out(p, val_fraction, seed)
-    return TokenPart(data, p, ~held, seq_len, packed), TokenPart(data, p, held, seq_len, packed)
+    return (TokenPart(data, p, ~held, seq_len, packed),
+            TokenPart(data, p, held, seq_len, packed, tail=True))
 
 
 class TokenPart:
     """The samples of one source on one side of the split ([Note: packing]).
     `rows(samples)` gives (inputs, targets, positions): (B, T) int64 tensors, targets -100
-    where a token does not count, positions None when unpacked."""
+    where a token does not count, positions None when unpacked.
+
+    tail: packed, also the last, shorter window (padded: input the pad token, target -100),
+    so that every counted token is a target of exactly one sample. An evaluation set takes
+    it; training does not (its windows stay full)."""
 
     def __init__(self, data: TokenData, p: Pieces, chosen: np.ndarray, seq_len: int,
-                 packed: bool) -> None:
+                 packed: bool, tail: bool = False) -> None:
         self.tokens, self.mask, self.seq_len, self.packed = data.tokens, data.mask, seq_len, \
             packed
         self.pad = int(data.meta.get("eos_id", 0))
@@ -104,6 +110,8 @@ class TokenPart:
             k = max((self.n_tokens - 1) // T, 0)
             has = counted[1 : k * T + 1].reshape(k, T).any(axis=1)
             self.samples = np.flatnonzero(has).astype(np.int64) * T  # window starts
+            if tail and counted[k * T + 1 :].any():
+                self.samples = np.append(self.samples, k * T)
         else:
             starts_all = p.start
             m = mask.copy()
@@ -122,11 +130,13 @@ class TokenPart:
     def _packed(self, idx: np.ndarray) -> Rows:
         T = self.seq_len
         v = self.samples[idx][:, None] + np.arange(T + 1)  # (B, T+1) virtual positions
-        seg = np.searchsorted(self.seg_v, v, side="right") - 1
-        real = self.seg_start[seg] + (v - self.seg_v[seg])
-        toks = np.asarray(self.tokens[real], dtype=np.int64)
+        past = v >= self.n_tokens  # only in the tail window: padding
+        v_in = np.minimum(v, self.n_tokens - 1)
+        seg = np.searchsorted(self.seg_v, v_in, side="right") - 1
+        real = self.seg_start[seg] + (v_in - self.seg_v[seg])
+        toks = np.where(past, self.pad, np.asarray(self.tokens[real], dtype=np.int64))
         keep = (np.asarray(self.mask[real[:, 1:]]) != 0) & (v[:, 1:] != self.seg_v[seg[:, 1:]])
-        y = np.where(keep, toks[:, 1:], IGNORE)
+        y = np.where(keep & ~past[:, 1:], toks[:, 1:], IGNORE)
         # Positions restart at each segment start; a window's first token is position 0.
         pos = v[:, :-1] - np.maximum(self.seg_v[seg[:, :-1]], v[:, :1])
         return torch.from_numpy(toks[:, :-1].copy()), torch.from_numpy(y), \
@@ -220,14 +230,10 @@ class TokenBatchStream(D.BatchStream):
         return _on(self.mix.rows(idx.numpy()), self.device)  # type: ignore[return-value]
 
 
-def val_batches(mix: Mixture | TokenPart, seq_len: int, batch_size: int, rank: int, world: int,
-                n_batches: int, device: torch.device | str = "cpu", seed: int = 0,
-                ) -> Iterator[tuple[torch.Tensor, ...]]:
-    """The same validation batches every time: a fixed seeded order of the validation
-    samples (so a few batches draw from every source and file), cycled."""
+def eval_rows(mix: Mixture | TokenPart, seed: int = 0) -> tuple[int, Callable[[np.ndarray], Rows]]:
+    """The evaluation set as (number of samples, rows of sample ids): a fixed seeded order of
+    the validation samples, so that a sampled evaluation (train.eval_batches > 0) draws from
+    every source and file."""
     mix = mix if isinstance(mix, Mixture) else Mixture([mix], [1.0])
     order = np.random.default_rng([seed, 0xE7A1]).permutation(len(mix))
-    dev = torch.device(device)
-    for b in range(n_batches):
-        start = (b * world + rank) * batch_size
-        yield _on(mix.rows(order[np.arange(start, start + batch_size) % len(order)]), dev)
+    return len(order), lambda idx: mix.rows(order[idx])

@@ -34,7 +34,7 @@ from .best import BestKeeper
 from .build import Built, build, build_gpt
 from .checkpointing import resume, save, saved_tokens_per_step
 from .config import Config, TrainSection
-from .eval_metrics import evaluate
+from .eval_metrics import evaluate, scope
 from .faults import FaultInjector
 from .flops import Utilization
 from .guard import NonFiniteGuard
@@ -252,6 +252,8 @@ class Trainer:
             "trainable": self.n_trainable, "moved_aside": self.moved,
             "config": cfg, "train_bytes": self.n_train,
             "val_bytes": self.n_val, "threads": torch.get_num_threads(),
+            # What each validation pass covers ([Note: evaluation set]); rank 0 only.
+            "eval": scope(self.parts.val, cfg, self.world).line() if self.rank == 0 else "",
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "precision_plan": sw.precision_plan(self.model)})
 
@@ -261,7 +263,8 @@ class Trainer:
         self.count_until = (self.start + max(cfg.log.event_steps, 3)
                             if cfg.log.event_steps >= 0 else self.end)
         self.tracing = TraceWindow(cfg, self.run_dir, self.model, self.start)
-        self.metrics = open_metric_log(cfg, self.run_dir, self.world) if self.rank == 0 else None
+        self.metrics = (open_metric_log(cfg, self.run_dir, self.world, self.start)
+                        if self.rank == 0 else None)
         self.best = BestKeeper(self.run_dir, cfg.checkpoint.best, bool(cfg.lora.rank))
         self.val_loss = math.nan
         self.saved: Path | None = None  # the latest checkpoint this invocation wrote

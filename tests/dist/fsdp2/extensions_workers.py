@@ -1,7 +1,7 @@
 """Upstream test_fully_shard_extensions.py: FSDP2's all-gather extensions
 (`fsdp_pre_all_gather` / `fsdp_post_all_gather` on a tensor subclass or patched onto a
 shard) and tensor-subclass parameters. shardwise runs the hooks ([Note: all-gather
-extensions] in engine/core/extension.py; subclass scenarios against torch's FSDP2 in
+extensions] in engine/core/sharded_param.py; subclass scenarios against torch's FSDP2 in
 tests/dist/test_all_gather_extensions.py). What it cannot gather faithfully it refuses, by
 name, on every rank and before any collective: a subclass without the hooks (its other data
 would be dropped: TwoTensor) and hooks set on the tensor given to fully_shard (they do not

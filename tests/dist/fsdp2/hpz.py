@@ -2,7 +2,7 @@
 all-gather, and a wrapper that runs an existing scenario and checks that hpZ really ran.
 
 At 4 ranks, k=2 keeps each unit sharded over a block of 2 ranks after forward, so backward
-gathers within that block ([Note: hpZ] in engine/core/hpz.py). Upstream's k=2 cases in the
+gathers within that block ([Note: hpZ] in engine/core/unit.py). Upstream's k=2 cases in the
 autograd, frozen and mixed-precision files compare values only; the wrapper adds one check
 that they could not pass as plain `True` (which would gather over all 4 ranks in backward).
 """

@@ -1,6 +1,6 @@
 """`fully_shard` (FSDP2-style, composable) and `shard_model` (one call, four knobs).
 
-Each checks its arguments (fully_shard_checks.py), then builds its units (build_unit.py);
+Each checks its arguments (fully_shard.py), then builds its units (fully_shard.py);
 the class a sharded module becomes is sharded_module.py.
 """
 
@@ -17,7 +17,6 @@ from torch.distributed.fsdp import fully_shard as _fsdp2_fully_shard
 from ..core import dtensor as DT
 from ..core.context import ModelContext, units_of
 from ..core.dtensor import TPContext, context_for, context_for_dims
-from ..core.extension import is_subclass
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.layout import shard_dim_for
 from ..core.policies import (
@@ -27,25 +26,29 @@ from ..core.policies import (
     ShardingStrategy,
     WrapPolicy,
     WrapPolicyLike,
+    check_fsdp1_ignored_classes,
     check_module,
     check_params,
     check_shard_placement,
+    fsdp1_buffer_dtype,
     mesh_for_strategy,
     mesh_info_for,
     resolve_wrap_policy,
 )
 from ..core.schedule import ShardedState
-from ..core.sharded_param import ParamRef, ShardedParam
+from ..core.sharded_param import ParamRef, ShardedParam, is_subclass
 from ..core.unit import BufferPool, Unit, check_hpz
 from ..core.unit import enable as enable_hpz
 from .sharded_module import check_reshard_after_forward, own_unit, sharded_class, watch_optimizers
 from .state import install_state_dict_hooks, register_torch_state, state_of
 
-# -------------------- formerly api/wrap.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Which modules become units, and which parameters each unit owns.
-## Shared by `shard_model` (to shard) and the planner (to predict without allocating), so the
+#
+# Shared by `shard_model` (to shard) and the planner (to predict without allocating), so the
 # two can never disagree about units or padding.
-## Ownership rule: a parameter belongs to the deepest unit whose subtree contains every module
+#
+# Ownership rule: a parameter belongs to the deepest unit whose subtree contains every module
 # that refers to it. So a tied embedding used by the first and last layers lands in their
 # common ancestor (usually the root), and a unit never reads a parameter it does not own.
 
@@ -159,7 +162,7 @@ def assign_params(
             for name in unit_names]
 
 
-# -------------------- formerly api/fully_shard_checks.py --------------------
+# --------------------------------------------------------------------------------------------------
 # fully_shard's argument checks: the modules it is given, its policies, and each parameter
 # it is to shard (plain, a TP DTensor, or a tensor subclass with FSDP2's all-gather hooks).
 # Each raises naming the offending value (docs/errors.md).
@@ -230,7 +233,7 @@ def check_plain_param(ref: ParamRef, t: torch.Tensor, tp: TPContext | None) -> N
                 "tensor subclass, or patch them onto the shard after sharding "
                 f"(model.get_parameter({ref.fqn!r})._local_tensor), as in FSDP2")
         return
-    # [Note: all-gather extensions] in engine/core/extension.py.
+    # [Note: all-gather extensions] in engine/core/sharded_param.py.
     pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
     problem = (
         "it does not define FSDP2's all-gather extension (fsdp_pre_all_gather and "
@@ -246,7 +249,7 @@ def check_plain_param(ref: ParamRef, t: torch.Tensor, tp: TPContext | None) -> N
             f"{problem}")
 
 
-# -------------------- formerly api/build_unit.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The steps of fully_shard after its checks: collect the parameters a unit owns, re-home
 # tied ones from child units, shard the new ones, build the unit and its context, and install
 # the hooks that make the module a sharded one.
@@ -396,7 +399,7 @@ def fully_shard(
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
     Call it on the blocks first and on the root last. The module keeps its class, becomes a
-    `torch.distributed.fsdp.FSDPModule` and gains FSDP2's module methods (module_api.py).
+    `torch.distributed.fsdp.FSDPModule` and gains FSDP2's module methods (sharded_module.py).
     A list of modules makes one unit over all of them (FSDP2's `fully_shard([norm, head])`),
     and the list is returned. `reshard_after_forward`: None (FSDP2's default) reshards after
     forward except on the root; True/False apply to the root too. `mp_policy` and
@@ -404,7 +407,7 @@ def fully_shard(
     `shard_placement_fn` may return `Shard(dim)` (any dim) or None for each parameter; None
     takes the default dim ([Note: balanced shards] in core/layout.py). `dp_mesh_dims`
     (torch's DataParallelMeshDims): `mesh` is the full SPMD mesh the DTensor parameters
-    live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/spmd.py).
+    live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/dtensor.py).
     """
     modules = check_modules(module)
     mp, offload, ignored = check_options(modules, reshard_after_forward, mp_policy,
@@ -421,7 +424,7 @@ def fully_shard(
         tp = context_for(modules[0], mesh)
     info = mesh_info_for(mesh)
     raf = check_reshard_after_forward(reshard_after_forward, info.shard_size)
-    hpz = raf if type(raf) is int else None  # [Note: hpZ] in core/hpz.py
+    hpz = raf if type(raf) is int else None  # [Note: hpZ] in core/unit.py
     if hpz is not None:
         check_hpz(hpz, info, tp, type(modules[0]).__name__)
     build_unit(modules, info, True if raf is None else bool(raf), mp, offload,
@@ -455,13 +458,23 @@ def shard_model(
     mesh: object | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root."""
+    """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root.
+
+    Each knob also takes PyTorch's FSDP1 object with FSDP1's meaning: its ShardingStrategy
+    (`_HYBRID_SHARD_ZERO2` included), the policies of `torch.distributed.fsdp.wrap` and
+    callables with FSDP1's `(module, recurse, nonwrapped_numel)` signature, MixedPrecision
+    (a field shardwise cannot honour is refused by name) and CPUOffload.
+    """
     check_module("model", model)
     ignored = mark_ignored(check_params("ignored_params", ignored_params))
     strategy = ShardingStrategy.parse(sharding_strategy)
+    # FSDP1's MixedPrecision casts the root's inputs and the others' by separate fields.
     mp = MixedPrecisionPolicy.parse(mixed_precision)
+    root_mp = MixedPrecisionPolicy.parse(mixed_precision, root=True)
+    buffer_dtype = fsdp1_buffer_dtype(mixed_precision)
     offload = CPUOffloadPolicy.parse(cpu_offload)
-    policy = resolve_wrap_policy(auto_wrap_policy, model)
+    policy = resolve_wrap_policy(auto_wrap_policy, model, ignored)
+    check_fsdp1_ignored_classes(mixed_precision, model, policy)
     targets = wrap_targets(model, policy)
     # TP ([Note: FSDP x TP]): the dp mesh is checked before any group is made.
     tp = context_for(model, mesh)
@@ -469,16 +482,30 @@ def shard_model(
         raise ValueError("sharding_strategy=NO_SHARD with tensor-parallel parameters is not "
                          "supported: use FULL_SHARD or SHARD_GRAD_OP with mesh=mesh['dp']")
     info = mesh_info_for(mesh_for_strategy(strategy, mesh))
-    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-    # Ownership for the whole model at once, by the rule the planner uses (wrap.py): no
+    reshard = ShardingStrategy.reshards_after_forward(sharding_strategy)
+    if buffer_dtype is not None:
+        _cast_buffers(model, buffer_dtype, ignored)
+    # Ownership for the whole model at once, by the rule the planner uses (fully_shard.py): no
     # unit takes a tied parameter that a parent would then have to re-home.
     owned = {spec.name: set(spec.ids) for spec in assign_params(model, targets, ignored)}
     for name, m in [*targets, ("", model)]:
         if own_unit(m) is not None:
             raise ValueError(f"{name or type(m).__name__!r} is already sharded")
-        build_unit(m, info, reshard, mp, offload, ignored, owned[name], tp)
+        build_unit(m, info, reshard, root_mp if m is model else mp, offload, ignored,
+                   owned[name], tp)
     return model
 
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype, ignored: set[int]) -> None:
+    """FSDP1's `buffer_dtype`: floating-point buffers compute in it (those of modules whose
+    parameters are all ignored keep theirs, as FSDP1's ignored modules do)."""
+    for m in model.modules():
+        params = list(m.parameters(recurse=False))
+        if params and all(id(p) in ignored for p in params):
+            continue
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
 
 def reshard_between_steps(model: nn.Module, what: str) -> None:
     """Reshard every unit so that writing the shards takes effect on the next forward.

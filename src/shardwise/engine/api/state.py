@@ -7,7 +7,7 @@ policies, root, the modules of the unit) and the two entry points that PyTorch's
 `torch.distributed.fsdp.register_fsdp_forward_method` calls on a state (`_pre_forward`,
 `_post_forward`), so that function works on shardwise modules unchanged. The facts that
 frameworks read from FSDP2's private fields are here too, with FSDP2's types:
-`_fsdp_param_group(s)` (policies, parameters, sizes, dtypes: param_group_view.py),
+`_fsdp_param_group(s)` (policies, parameters, sizes, dtypes: state.py),
 `_mp_policy`, `_is_root`, `_modules`, `_device`. FSDP2's machinery (`_comm_ctx`, streams,
 prefetch lists) does not exist here: code that reads it gets an AttributeError instead of
 a silently empty answer.
@@ -21,10 +21,10 @@ True, takes the state with *torch's* `fully_shard.state(stage)` (its own import,
 `patch_fsdp2` does not rebind), calls `post_backward()` on every param group of every
 state in `state._state_ctx.all_states`, then `state._root_post_backward_final_callback()`.
 So the view is registered where torch's `fully_shard.state` looks (`register_torch_state`),
-`post_backward()` reduces a unit's accumulated gradients now (param_group_view.py), and the
+`post_backward()` reduces a unit's accumulated gradients now (state.py), and the
 final callback is the end of a backward: every pending reduction waited for, the units
 resharded. Multi-stage schedules also call `unshard(async_op=True)`, the handle's `wait()`
-and `reshard()` on every FSDPModule of a stage (module_api.py), and the metadata
+and `reshard()` on every FSDPModule of a stage (sharded_module.py), and the metadata
 inference's cleanup calls `reshard()` and sets `.grad = None`. Tested against FSDP2 running
 the same schedules (tests/dist/test_pipelining.py).
 """
@@ -44,9 +44,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from ..core import dtensor as DT
 from ..core.context import unit_of
-from ..core.extension import torch_mp
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.schedule import ShardedState, TrainingState
+from ..core.unit import torch_mp
 
 if TYPE_CHECKING:
     from ..core.policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
@@ -54,10 +54,11 @@ if TYPE_CHECKING:
     from ..core.unit import Unit
 
 
-# -------------------- formerly api/sd_hooks.py --------------------
+# --------------------------------------------------------------------------------------------------
 # `module.state_dict()` / `load_state_dict()` hooks on every module that holds a sharded
 # parameter, as FSDP2 registers them.
-## [Note: state-dict hooks] Before a module's state dict is taken or loaded, its units reshard,
+#
+# [Note: state-dict hooks] Before a module's state dict is taken or loaded, its units reshard,
 # so `model.state_dict()` gives the DTensor shards at every point of a step (between a forward
 # and its backward too, where a unit that keeps its parameters, and the root, would otherwise
 # show full plain tensors). Backward then gathers again what it needs, as after a
@@ -155,9 +156,10 @@ def _post_load(module: nn.Module, incompatible: Any) -> None:
             sp.set_requires_grad(requires_grad)
 
 
-# -------------------- formerly api/param_group_view.py --------------------
+# --------------------------------------------------------------------------------------------------
 # FSDP2's per-unit facts, read through `fully_shard.state(m)._fsdp_param_group`.
-## Frameworks and tests written for FSDP2 read a unit's policies and parameters from its
+#
+# Frameworks and tests written for FSDP2 read a unit's policies and parameters from its
 # FSDPParamGroup (`mp_policy`, `offload_policy`, `fsdp_params[i].sharded_param`, ...). These
 # views answer the same questions from shardwise's unit, with torch's own policy classes, so
 # `isinstance(pg.offload_policy, CPUOffloadPolicy)` reads as on FSDP2. They are read-only

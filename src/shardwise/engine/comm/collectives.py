@@ -2,7 +2,7 @@
 
 The layer is split by noun: process_group.py (a group's life and membership), work.py (a
 collective in flight, and the one door every collective goes through), transport.py (how a
-group moves flat buffers, chosen once per group), exchange.py (bytes and JSON between ranks).
+group moves flat buffers, chosen once per group), collectives.py (bytes and JSON between ranks).
 This module holds the small tensor collectives and re-exports the rest, so callers import one
 name. Nothing outside this layer calls torch.distributed's collectives.
 """
@@ -36,9 +36,10 @@ from .process_group import (
 from .transport import FreshBuffers, transport_for, use_all_to_all
 from .work import Work, all_gather_flat, done, handoff, issue
 
-# -------------------- formerly comm/exchange.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Byte exchange between ranks: raw bytes, JSON and floats, never pickle.
-## Everything the package shares between ranks that is not a tensor (run folders, metrics,
+#
+# Everything the package shares between ranks that is not a tensor (run folders, metrics,
 # verdicts, checkpoint manifests, error reports) goes through here, so it is checked by
 # SHARDWISE_DEBUG like any collective and can never unpickle a peer's data.
 
@@ -220,7 +221,8 @@ def max_over(values: list[int], groups: Sequence[ProcessGroup | None], label: st
              ) -> list[int]:
     """Each value's MAX over the ranks of `groups`, one tiny all-reduce per group in order:
     the groups of a mesh's dims, one after the other, reach every rank of the mesh (a
-    model's agreement groups, engine/core/mesh.py [Note: model group]). `[]`: this rank alone."""
+    model's agreement groups, [Note: model group] in engine/core/policies.py). `[]`: this
+    rank alone."""
     if not is_initialized():
         return values
     for g in groups:

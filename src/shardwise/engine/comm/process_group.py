@@ -698,11 +698,12 @@ def byte_device(group: ProcessGroup | None) -> torch.device:
         else torch.device("cpu")
 
 
-# -------------------- formerly comm/subgroups.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Process groups of a few consecutive ranks inside a shard group (hpZ's post-forward groups).
-## `fully_shard(m, reshard_after_forward=k)` keeps, between forward and backward, a shard of
+#
+# `fully_shard(m, reshard_after_forward=k)` keeps, between forward and backward, a shard of
 # each parameter over the k consecutive ranks of the shard group that this rank belongs to
-# (FSDP2's `(S/k, k)` post-forward mesh, engine/core/hpz.py); backward's all-gather runs in
+# (FSDP2's `(S/k, k)` post-forward mesh, engine/core/unit.py); backward's all-gather runs in
 # that group. Only the group's own members create it (`use_local_synchronization`): the
 # fully_shard call that asks for it may run on a sub-mesh whose other world ranks never call
 # anything. One group per set of ranks is made and kept: every unit of a model asks for the
@@ -738,9 +739,10 @@ def block_group(shard_group: ProcessGroup | None, k: int) -> ProcessGroup:
     return group
 
 
-# -------------------- formerly comm/meshes.py --------------------
+# --------------------------------------------------------------------------------------------------
 # DeviceMesh dims that need process groups of their own (fully_shard's dp_mesh_dims).
-## Flattening several dims of a mesh into one creates that dim's process group (a collective
+#
+# Flattening several dims of a mesh into one creates that dim's process group (a collective
 # over the mesh's ranks the first time; DeviceMesh keeps it by name after that), so it lives
 # here with the other calls that talk to torch.distributed.
 
@@ -761,16 +763,18 @@ def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(meshes)
 
 
-# -------------------- formerly comm/slurm.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Slurm's `srun` without torchrun: SLURM_* variables into torchrun's.
-## torch.distributed's `env://` start-up reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT,
+#
+# torch.distributed's `env://` start-up reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT,
 # and shardwise reads LOCAL_RANK and LOCAL_WORLD_SIZE too (the device, HYBRID_SHARD's node
 # groups, threads per rank). torchrun sets all of them; `srun` sets its own SLURM_* variables
 # instead. `torch_env_from_slurm(environ)` translates one into the other, and
 # `use_slurm_env()` applies it to this process; `init_distributed` uses the translation
 # without applying it when no group and no RANK exist, so `srun python train.py` joins one
 # process group (docs/launching.md).
-## Only the standard library is imported: this runs before torch does anything distributed.
+#
+# Only the standard library is imported: this runs before torch does anything distributed.
 
 # Set by use_slurm_env (and by shardwise's Ray helper) so the header can name the launcher.
 LAUNCHER_ENV = "SHARDWISE_LAUNCHER"
@@ -948,7 +952,7 @@ def use_slurm_env() -> bool:
     return bool(env)
 
 
-# -------------------- formerly comm/distributed.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Process-group start-up from torchrun's environment, and gradient-sync control.
 
 

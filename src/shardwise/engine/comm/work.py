@@ -2,7 +2,7 @@
 
 `issue` is the one door to torch.distributed for operations: it hands tensors over for the
 exit drain ([Note: gloo teardown] in process_group.py), runs the debug-mode cross-rank check
-(engine/comm/debug.py) and turns a backend failure into a `CollectiveError` naming the
+(engine/comm/work.py) and turns a backend failure into a `CollectiveError` naming the
 collective, its unit and its ranks.
 """
 
@@ -20,9 +20,10 @@ from torch.distributed import ProcessGroup
 
 from . import process_group as PG
 
-# -------------------- formerly comm/debug.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Collective checks: name the divergence or the dead peer instead of hanging.
-## [Note: collective fingerprints] With debug on (`SHARDWISE_DEBUG=1` or `sw.set_debug(True)`),
+#
+# [Note: collective fingerprints] With debug on (`SHARDWISE_DEBUG=1` or `sw.set_debug(True)`),
 # every collective that shardwise issues is preceded by a small all-gather, on the same group,
 # of this rank's fingerprint of it: the group's sequence number, the op, the unit's module path,
 # the shape and the dtype. Every rank compares all fingerprints before the real collective is
@@ -33,10 +34,12 @@ from . import process_group as PG
 # `CollectiveMismatchError` naming both paths and which ranks took each. Without the check the
 # same mistake either hangs until the timeout or, when the sizes happen to match, silently
 # exchanges the wrong tensors.
-## The cost is one extra small synchronous collective per collective (and async prefetches
+#
+# The cost is one extra small synchronous collective per collective (and async prefetches
 # become synchronous at issue time); see benchmarks/RESULTS.md for the measured overhead.
 # Off by default: with debug off each collective pays one boolean test.
-## Errors that the backend raises (a peer that died, or stalled past the process group's
+#
+# Errors that the backend raises (a peer that died, or stalled past the process group's
 # timeout) are re-raised by `collectives` as `CollectiveError` naming the op, the unit, the
 # group's ranks and the timeout.
 
@@ -210,7 +213,7 @@ class Work(NamedTuple):
 
 
 class Issued(NamedTuple):
-    """What a collective was, kept only to explain its failure (see engine/comm/debug.py)."""
+    """What a collective was, kept only to explain its failure (see engine/comm/work.py)."""
 
     op: str
     label: str

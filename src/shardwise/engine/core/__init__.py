@@ -1,18 +1,12 @@
 """The mechanism, layer by layer: one parameter -> one unit -> the schedule -> hooks -> context.
 
-sharded_param.py  one parameter: padded shard and its face; param_*.py: its unsharded storage,
-                  gradients, subclass shards, materialization
-dtensor.py        the DTensor face of a shard; tp.py: a TP DTensor parameter's local piece
-mesh.py           the unit's shard / replicate groups and their transport
-policies.py       the knobs as values; checks.py: argument checks (ValueError before any collective)
-bucket.py         a unit's flat layout per communication dtype; buffers.py: the buffer pool
-pack.py, reduce.py  gradients into the reduce buffer; the reduction and its finish
-unit.py           one unit: unshard / wait / reshard / reduce (acting); unit_gather.py and
-                  unit_reduce.py: its gather and reduce halves
+events.py         the one Event schema and Span timing
+layout.py         which dim a parameter shards on (the balanced-shards rule; the planner too)
+dtensor.py        DTensor faces: a shard's DTensor, a TP parameter's local piece, dp_mesh_dims
+policies.py       the knobs as values, argument checks, and the mesh a unit runs on (MeshInfo)
+sharded_param.py  one parameter, whole: shard, unsharded storage, gradients, extension hooks
+unit.py           one unit, whole: gather and reduce halves, buckets, buffer pool, hpZ, streams
 schedule.py       when each unit gathers, reshards, reduces (deciding; no tensors)
+context.py        one model's context: schedule, sinks, pool, first-forward checks, containers
 hooks.py          module and autograd hooks that tell the schedule where the step is
-context.py        one model's context: schedule, sinks, pool; first-forward checks
-containers.py     containers of units: each member once per holder call (local check)
-freeze_check.py   SHARDWISE_DEBUG: every rank trains the same parameters
-events.py, traverse.py, inspect.py  the event schema; tensors in nested outputs; looking inside
 """

@@ -13,6 +13,7 @@ the first forward (`ensure_ready`).
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +24,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
-from ..comm import process_group as PG
 from ..comm.work import debug_enabled
 from .dtensor import check_params_in_place
 from .events import EventSink
@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     from .sharded_param import ShardedParam
 
 
-# -------------------- formerly core/inspect.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Looking inside a sharded model: its units, sharded parameters and per-model context.
-## The one way the rest of the package (checkpoints, observers, the explorer, the CLI) finds
+#
+# The one way the rest of the package (checkpoints, observers, the explorer, the CLI) finds
 # what the engine built, instead of reading engine attributes off modules.
 
 
@@ -96,100 +97,158 @@ def named_sharded_params(model: nn.Module) -> list[tuple[str, ShardedParam]]:
     return out
 
 
-# -------------------- formerly core/containers.py --------------------
-# Containers of units: every member runs once per call of the module that holds them.
-## [Note: data-dependent units] Each rank's collectives follow from the module structure alone
+# --------------------------------------------------------------------------------------------------
+# Containers of units: each member gathers and reduces once per call of the module holding them.
+#
+# [Note: data-dependent units] Each rank's collectives follow from the module structure alone
 # ([Note: structure decides] in schedule.py): a unit gathers when its forward reaches it. A
 # model whose data decides which units run breaks that. The usual case is a mixture-of-experts
-# layer whose experts are sharded one unit each, in an `nn.ModuleList`: a rank that routes no
-# token to expert 3 never calls it, so it never joins the all-gather the other ranks issue for
-# it. Their collectives then pair with other ones: same-sized experts exchange each other's
-# rows (wrong numbers), others abort in the backend or hang.
-## No per-step agreement between ranks is paid to follow such models (FSDP2 pays none either).
-# Instead, each rank checks its own calls, which needs no communication: the module holding a
-# `ModuleList`/`ModuleDict` of units (the *holder*: the MoE layer, the model's layer stack)
-# must call each member exactly once per call of its own, in any order. A member called a
-# second time is refused at its forward, before it gathers; a member skipped is named when
-# the holder returns, before this rank issues another collective. Either way this rank raises
-# a `RuntimeError` naming the unit and the fix, and its peers, left waiting in a collective it
-# will not join, get a `CollectiveError` once it exits (or at the collective timeout). The
-# numbers never go wrong silently.
-## What keeps every rank's collectives alike whatever the routing: one unit per MoE layer (its
-# experts plain modules inside it; an expert without tokens gets no gradient, and the reduce
-# buffer's flags keep that `None`, [Note: unused gradients] in reduce.py), or experts held as
-# one 3-D parameter (torchtitan's grouped experts). docs/moe.md shows both.
-## Layer stacks whose order changes between steps, or a holder called several times in one
-# forward, are fine: only "once per holder call" is checked. Calls made while recomputing
-# (activation checkpointing) are not counted: the forward already was. Under SHARDWISE_DEBUG the
-# check stands aside: the collective fingerprints then name the first collective where the
-# ranks part, on every rank (CollectiveMismatchError), which is the better error.
+# layer whose experts are sharded one unit each, in an `nn.ModuleList` (FSDP2 users do this
+# with Mixtral and Qwen2-MoE): a rank that routes no token to expert 3 never calls it, so it
+# would never join the all-gather the other ranks issue for it, and their collectives would
+# pair with other ones (same-sized experts exchanging rows silently, others aborting or hanging).
+#
+# So a `ModuleList`/`ModuleDict` of units (nested containers flattened, in their order) held by
+# a module (the *holder*: the MoE block, the model's layer stack) is one group: in each call of
+# the holder, every rank gathers each member once and, in backward, reduces each once, in
+# container order, whether or not its data ran the member. One at a time: when member j is
+# called, the members before j that this call has not run yet get a stand-in first ([Note:
+# stand-ins] in schedule.py: the schedule calls their hooks would have made, units nested in
+# them included, in module order); when the holder returns, so do the members after the last
+# one run. A stand-in gathers and releases at once, and owes backward a gather and a reduction
+# of no gradient, settled where its backward would have run. The recorded forward order is then
+# the container's on every rank, and so are prefetch and the final callback's order. A member
+# called again after a later one (or twice) in one holder call starts a new round over the
+# container: a layer stack run twice per call costs two rounds on every rank. Every rank must
+# run the same number of rounds, which holds when the code, not the data, decides the order
+# (as in Mixtral's and Qwen2-MoE's ascending loop over the experts hit).
+#
+# Memory: a stand-in holds one member's gathered parameters, as a run of it would; measured in
+# docs/moe.md against gathering the whole group at the holder's call. Time: a layer stack
+# called in order, or any holder whose every member runs, gets no stand-in: its collectives
+# are what they were (tests/dist/test_collective_counts.py), and no step pays a collective or
+# a host-device sync to follow the routing. Refused on every rank at the first forward (the
+# structure shows it): a unit that is a member twice (listed twice, or in two containers).
+# Not followed: members called outside their holder's forward (the holder must be the module
+# that calls them), and a holder's inputs that reach the loss on some ranks only.
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
+_log = logging.getLogger(__name__)
 
-class ContainerCheck:
-    """One model's holders, their member units, and the calls seen in each holder's call."""
+
+class _Pass:
+    """One call of a holder: the next member (container position) it reaches."""
+
+    __slots__ = ("next", "needs_grad")
+
+    def __init__(self, needs_grad: bool) -> None:
+        self.next = 0
+        # Its inputs needed a gradient (a stand-in's reduction then runs within backward).
+        self.needs_grad = needs_grad
+
+
+class Containers:
+    """One model's holders, their members, and where each running holder call is."""
 
     def __init__(self, holders: list[tuple[nn.Module, str, list[tuple[nn.Module, str]]]],
-                 in_backward: Callable[[], bool]) -> None:
+                 schedule: Schedule[Unit], top: list[nn.Module], inputs: Any = ()) -> None:
         # (holder module, its name in the model, its members: (a unit's module, its name)).
-        # Modules, not units: a list-form unit may span several members.
         self.holders = holders
-        self.in_backward = in_backward
-        # id(member module) -> index of its holder; per holder: the members called in its
-        # running call (None: the holder is not running).
-        self.holder_of = {id(m): i for i, (_, _, ms) in enumerate(holders) for m, _ in ms}
-        self.seen: list[set[int] | None] = [None] * len(holders)
+        self.schedule = schedule
+        # id(member module) -> (holder index, position in the container).
+        self.where: dict[int, tuple[int, int]] = {}
+        for i, (_, _, members) in enumerate(holders):
+            for j, (m, name) in enumerate(members):
+                if id(m) in self.where:
+                    k, at = self.where[id(m)]
+                    raise RuntimeError(
+                        f"unit {holders[k][2][at][1]!r} is a member of two containers of units "
+                        f"(also {name!r}), so its gathers would follow two holders' calls: "
+                        "hold each unit in one ModuleList/ModuleDict, or shard the module "
+                        "that holds both containers as one unit; see docs/moe.md")
+                self.where[id(m)] = (i, j)
+        # Per holder, per member: the hook calls a call of the member makes, units nested
+        # in it included (module order): (unit, True) at its pre-forward, (unit, False) after.
+        self.calls = [[_hook_calls(m) for m, _ in members] for _, _, members in holders]
+        self.passes: list[_Pass | None] = [None] * len(holders)
+        self.warned: set[int] = set()
         self.handles: list[Any] = []
         for i, (holder, _, _) in enumerate(holders):
             self.handles.append(holder.register_forward_pre_hook(
-                functools.partial(self._holder_starts, i)))
+                functools.partial(self._holder_starts, i), with_kwargs=True))
+            # Before the holder's own unit post-hook (which reshards it, or ends the step).
             self.handles.append(holder.register_forward_hook(
-                functools.partial(self._holder_ends, i)))
+                functools.partial(self._holder_ends, i), prepend=True))
+            if any(holder is t for t in top):
+                # The root holds it and is running now: its pre-hook was taken already.
+                self.passes[i] = _Pass(_needs_grad(inputs))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
 
-    def _holder_starts(self, i: int, module: nn.Module, args: Any) -> None:
-        if not self.in_backward() and not debug_enabled():
-            self.seen[i] = set()
+    def reset(self) -> None:
+        self.passes = [None] * len(self.holders)
+
+    def _holder_starts(self, i: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.passes[i] = _Pass(_needs_grad((args, kwargs)))
 
     def called(self, module: nn.Module) -> None:
-        """A unit's `module` begins its forward (outside recomputation): refuse a second
-        call in its holder's running call before anything is gathered for it."""
-        i = self.holder_of.get(id(module))
-        if i is None or self.seen[i] is None:
-            return  # not a member, or called outside its holder's forward
-        seen = self.seen[i]
-        assert seen is not None
-        if id(module) in seen:
-            self.seen[i] = None
-            name = next(n for m, n in self.holders[i][2] if m is module)
-            raise RuntimeError(_message(name, self.holders[i][1], "ran twice"))
-        seen.add(id(module))
+        """A member's pre-forward (or its recomputation), before its gather: the members
+        before it that this holder call has not reached stand in first."""
+        at = self.where.get(id(module))
+        if at is None:
+            return
+        i, j = at
+        p = self.passes[i]
+        if p is None:
+            return  # called outside its holder's forward: not followed
+        if j < p.next:
+            # A new round over the container: the rest of this one first.
+            self._stand_in(i, p, len(self.calls[i]))
+            p.next = 0
+            if j > 0 and i not in self.warned:
+                self.warned.add(i)
+                _log.warning(
+                    "%r calls the units of its container out of container order (%r after a "
+                    "later one): each such call starts a new round, which gathers and reduces "
+                    "every member again", self.holders[i][1] or "<root>",
+                    self.holders[i][2][j][1])
+        self._stand_in(i, p, j)
+        p.next = j + 1
 
     def _holder_ends(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
-        seen, self.seen[i] = self.seen[i], None
-        if seen is None:
-            return
-        missing = [n for m, n in self.holders[i][2] if id(m) not in seen]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise RuntimeError(_message(missing[0] + more, self.holders[i][1], "did not run"))
+        p, self.passes[i] = self.passes[i], None
+        if p is not None:
+            self._stand_in(i, p, len(self.calls[i]))
+
+    def _stand_in(self, i: int, p: _Pass, upto: int) -> None:
+        """Stand-ins for members [p.next, upto) of holder i ([Note: stand-ins])."""
+        grad = torch.is_grad_enabled()
+        for j in range(p.next, upto):
+            self.schedule.stand_in([
+                (u, pre, grad and (p.needs_grad or any(x.requires_grad for x in u.params)))
+                for u, pre in self.calls[i][j]], late=not p.needs_grad)
+        p.next = max(p.next, upto)
 
 
-def _message(unit: str, holder: str, what: str) -> str:
-    # This rank is out of step with its peers from here on: any further collective would
-    # pair with another one, so the exit must not wait for them at a barrier either.
-    PG.mark_failed()
-    return (f"rank {PG.rank(None)}: unit {unit!r} {what} in this call of {holder or '<root>'!r}, "
-            "which holds it in a ModuleList/ModuleDict of units; every rank must run each "
-            "such unit once per call, or ranks would issue different collectives (an expert "
-            "that got no token here). Shard the MoE layer as one unit (fully_shard on the "
-            "layer, not on each expert) or hold the experts as one 3-D parameter; see "
-            "docs/moe.md")
+def _needs_grad(inputs: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad
+               for t in torch.utils._pytree.tree_leaves(inputs))
+
+
+def _hook_calls(module: nn.Module) -> list[tuple[Unit, bool]]:
+    out: list[tuple[Unit, bool]] = []
+    u = vars(module).get("_sw_unit")
+    if u is not None:
+        out.append((u, True))
+    for child in module.children():
+        out += _hook_calls(child)
+    if u is not None:
+        out.append((u, False))
+    return out
 
 
 def find_holders(named: list[tuple[str, nn.Module]], is_unit: Callable[[nn.Module], bool]
@@ -221,17 +280,19 @@ def _collect(c: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool],
             _collect(m, f"{prefix}.{n}", is_unit, members)
 
 
-# -------------------- formerly core/freeze_check.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The freeze check (SHARDWISE_DEBUG=1): every rank must agree on which parameters require grad.
-## [Note: freeze check] A unit's gradient reduction packs only the parameters that require
+#
+# [Note: freeze check] A unit's gradient reduction packs only the parameters that require
 # grad (`FlatBucket.grad_params`), and the layout follows `requires_grad` changes the user
 # makes between steps (`Unit.follow_requires_grad`, at the root's forward). A change made on
 # one rank only (`blocks[0].attn.weight.requires_grad_(False)` on rank 1) gives the ranks
 # reductions of different sizes: gloo aborts the process ("Received data size doesn't match
 # expected size"), NCCL hangs or reads garbage.
-## A rank that changed nothing cannot know it should check, so the check is a collective every
+#
+# A rank that changed nothing cannot know it should check, so the check is a collective every
 # rank joins at every backward. That is a collective FSDP2 does not issue, so it runs only in
-# debug mode, with the other misuse checks (engine/comm/debug.py): at the first backward hook of a
+# debug mode, with the other misuse checks (engine/comm/work.py): at the first backward hook of a
 # grad-enabled forward, before any reduction, one all-reduce of a CRC of every parameter's
 # flag over the model's ranks. Every rank reads the same result, so either all go on or all
 # raise; on a mismatch one more exchange (on the error path only) names the units, counts and
@@ -317,12 +378,13 @@ class ModelContext:
         self.post_optim_event: object | None = None
         # CUDA: the side streams of [Note: streams] (None on CPU); made at the first forward.
         self.streams: Streams | None = None
-        # Holders of containers of units ([Note: data-dependent units] in containers.py).
-        self.containers: ContainerCheck | None = None
+        # Holders of containers of units and their running calls ([Note: data-dependent
+        # units]); None: the model has none.
+        self.containers: Containers | None = None
         # Under SHARDWISE_DEBUG: the freeze check is due at this backward's first hook.
         self._check_trainable = False
         # The groups the checks above agree over: the model's ranks ([Note: model group]
-        # in mesh.py), set at the first forward.
+        # in policies.py), set at the first forward.
         self.groups: list[Any] = [None]
 
     @classmethod
@@ -369,14 +431,15 @@ class ModelContext:
 
     # --- first forward ------------------------------------------------------------------
 
-    def ensure_ready(self, unit: Unit) -> ModelContext:
-        """At the first forward through `unit`; returns the context that runs it."""
+    def ensure_ready(self, unit: Unit, inputs: Any = ()) -> ModelContext:
+        """At the first forward through `unit` (`inputs`: that call's); returns the context
+        that runs it."""
         if self.ready:
             return self
         if unit is not self.top:
             # Forward started below the sharded root: that unit's subtree runs on its own
             # (the root's own first forward then reports the conflict).
-            return ModelContext.create(unit).ensure_ready(unit)
+            return ModelContext.create(unit).ensure_ready(unit, inputs)
         taken = [u.label for u in self.units if u.ctx is not self]
         if taken:
             raise RuntimeError(
@@ -402,7 +465,7 @@ class ModelContext:
         holders = find_holders(_named_modules(self.top.modules),
                                lambda m: vars(m).get("_sw_unit") is not None)
         if holders:
-            self.containers = ContainerCheck(holders, lambda: self.in_backward)
+            self.containers = Containers(holders, self.schedule, self.top.modules, inputs)
         self.ready = True
         return self
 
@@ -426,7 +489,8 @@ class ModelContext:
         # write through `.data`): the full parameters are stale. Decided alike on every
         # rank: a rank whose shard is empty sees no change where the others do, and a
         # reshard on some ranks only would gather on those alone.
-        kept = [u for u in self.units if u.state is ShardedState.UNSHARDED]
+        kept = [u for u in self.units
+                if u.state is ShardedState.UNSHARDED and u.kept_needs_value_check()]
         if kept:
             stale = C.max_over([int(u.shards_changed_since_gather()) for u in kept],
                                self.groups, label="stale gathered parameters")
@@ -456,8 +520,7 @@ class ModelContext:
         """Root final callback: every gradient reduced, every unit sharded."""
         self.schedule.end_backward()
         for u in self.units:
-            if u.offload_events:
-                u.settle_offload()
+            u.settle()
         self._final_queued = False
 
     def reset_iter_state(self) -> None:
@@ -484,6 +547,9 @@ class ModelContext:
         sched.state = TrainingState.IDLE
         sched.order_now = []
         sched.reduced = set()
+        sched.owed = []
+        if self.containers is not None:
+            self.containers.reset()
         self._final_queued = False
 
 
@@ -518,17 +584,19 @@ def _check_same_layout(units: list[Unit], groups: list[Any]) -> None:
         )
 
 
-# -------------------- formerly ext/model_group.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The ranks that run one model, and the model-level collectives over them.
-## [Note: model ranks] The engine's own checks run over a model's agreement groups ([Note:
-# model group] in mesh.py). So must the operations a user calls on the whole model: seeding
+#
+# [Note: model ranks] The engine's own checks run over a model's agreement groups ([Note:
+# model group] in policies.py). So must the operations a user calls on the whole model: seeding
 # and replicated buffers in `materialize`, the agreements and the writer of checkpoints,
 # exports and pretrained loads, `full_state_dict(rank0_only=True)`,
 # `load_full_state_dict(from_rank0=True)`, the grad scaler's found-inf flag. On a model
 # sharded on a subgroup (ranks {1, 2} of 3, a pipeline stage, a 2 x 2 HYBRID_SHARD mesh on 4
 # of 5 ranks) the world's collectives waited for ranks that never run the model, or met
 # another model's collective there, and "rank 0" may not run the model at all.
-## `ModelGroup` is the model's ranks (ascending; the *first rank* is where a model-level
+#
+# `ModelGroup` is the model's ranks (ascending; the *first rank* is where a model-level
 # operation sends from or writes: global rank 0 when the model runs on every rank) and its
 # agreement groups. A model on every rank has groups [None]: each operation below is then
 # the one world collective it was before, at the same cost. On a subgroup that one of the

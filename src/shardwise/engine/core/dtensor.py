@@ -15,7 +15,7 @@ a one-rank world). A 0-d parameter (FSDP2 refuses them) is one row held by shard
 ([Note: layout]), and a scalar cannot be `Shard(0)`: its face is a `Shard(0)` DTensor of
 global shape (1,) (under TP, on the (dp, tp) mesh), so torch's tools (state dicts, DCP,
 `clip_grad_norm_`) see its value once, where it lives; a plain 0-d value loaded into it
-becomes this rank's row (sd_hooks.py). A plain face there made them read the other ranks'
+becomes this rank's row (state.py). A plain face there made them read the other ranks'
 empty rows as copies of the parameter (DCP stored it empty). `sw.full_state_dict` and
 shardwise's own checkpoints give it back with shape ().
 """
@@ -93,20 +93,22 @@ def is_dtensor(t: object) -> bool:
 
 def uses_all_gather_extension(t: torch.Tensor) -> bool:
     """Whether `t` or its local tensor carries FSDP2's all-gather extension
-    (`fsdp_pre_all_gather`; [Note: all-gather extensions] in extension.py)."""
+    (`fsdp_pre_all_gather`; [Note: all-gather extensions] in sharded_param.py)."""
     return any(hasattr(x, "fsdp_pre_all_gather") for x in (t, local_of(t)))
 
 
-# -------------------- formerly core/tp.py --------------------
+# --------------------------------------------------------------------------------------------------
 # FSDP x tensor parallelism: sharding parameters that are already TP DTensors.
-## [Note: FSDP x TP] The recipe is torchtitan's: `parallelize_module(block, mesh["tp"], plan)`
+#
+# [Note: FSDP x TP] The recipe is torchtitan's: `parallelize_module(block, mesh["tp"], plan)`
 # first, then `fully_shard(block, mesh=mesh["dp"])` per block and on the root. A parameter
 # that `parallelize_module` made a DTensor on the TP mesh holds, on this rank, its *TP-local*
 # tensor (a colwise weight: a block of its rows, the output features; a rowwise weight: a
 # block of its columns). shardwise shards that local tensor on dim 0 across the dp mesh
 # exactly as it shards a plain parameter ([Note: layout]), so the engine's gather, reduce
 # and padding code is unchanged:
-## - all-gather across dp rebuilds the TP-local tensor; the module sees it wrapped as the
+#
+# - all-gather across dp rebuilds the TP-local tensor; the module sees it wrapped as the
 #   original TP DTensor (same spec), so the TP plan's forward (DTensor weights, redistributed
 #   inputs/outputs) runs as without FSDP;
 # - the gradient autograd leaves on that DTensor is brought back to the TP placement (a
@@ -116,11 +118,13 @@ def uses_all_gather_extension(t: torch.Tensor) -> bool:
 #   2-D placements: `(Shard(0), Shard(1))` for a rowwise weight, `(_StridedShard(0, tp),
 #   Shard(0))` for a colwise one (dp splits the TP-local rows, not the global ones), and
 #   `(Shard(0), Replicate())` for a parameter the plan left replicated.
-## Parameters of the same units that are *not* TP DTensors (norms, the embedding and head when
+#
+# Parameters of the same units that are *not* TP DTensors (norms, the embedding and head when
 # the plan leaves them alone) are replicated across tp; in a TP model they still get a DTensor
 # face on the (dp, tp) mesh, `(Shard(0), Replicate())`, so every parameter lives on one mesh
 # and PyTorch's `clip_grad_norm_`, optimizers and DCP see one consistent layout.
-## Sequence parallelism makes a norm weight a Replicate DTensor whose gradient is a TP Partial
+#
+# Sequence parallelism makes a norm weight a Replicate DTensor whose gradient is a TP Partial
 # sum; `grad_local` reduces it to the TP placement, but only the Megatron plan (no sequence
 # parallelism) is tested.
 
@@ -141,7 +145,7 @@ class TPContext:
     # 1-D; None: no model-parallel dim at all (dp_mesh_dims naming every dim of the mesh).
     tp_mesh: DeviceMesh | None
     spmd_mesh: DeviceMesh  # dp dims then the tp dim: where sharded parameters live
-    # fully_shard(dp_mesh_dims=...) ([Note: dp_mesh_dims] in spmd.py): the parameters are
+    # fully_shard(dp_mesh_dims=...) ([Note: dp_mesh_dims] in dtensor.py): the parameters are
     # DTensors on `spmd_mesh` itself, in the user's order of dims; None: the TP recipe.
     spmd: SpmdLayout | None = None
 
@@ -387,15 +391,17 @@ class TPParam:
                                 local_shape[self.shard_dim]).contiguous()
 
 
-# -------------------- formerly core/spmd.py --------------------
+# --------------------------------------------------------------------------------------------------
 # `fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=...)`: FSDP2's full-SPMD-mesh mode.
-## [Note: dp_mesh_dims] torch 2.13's FSDP2 takes the *whole* device mesh a model lives on
+#
+# [Note: dp_mesh_dims] torch 2.13's FSDP2 takes the *whole* device mesh a model lives on
 # (torchtitan's "full DTensor" mode: dp_replicate, dp_shard, cp, tp dims in one mesh) and a
 # `DataParallelMeshDims(shard=..., replicate=...)` naming which of its dims are data parallel.
 # Every parameter is already a DTensor on that mesh, `Replicate()` on the dp dims and whatever
 # the model-parallel plan chose on the others. shardwise maps this onto the FSDP x TP
-# machinery ([Note: FSDP x TP] in tp.py) instead of a second path:
-## - the dp dims become the unit's groups: the shard dims (several are flattened into one, as
+# machinery ([Note: FSDP x TP] in dtensor.py) instead of a second path:
+#
+# - the dp dims become the unit's groups: the shard dims (several are flattened into one, as
 #   FSDP2 does, e.g. `("dp_shard", "cp")`) are the shard group; the replicate dims (flattened
 #   likewise) the replicate group, making it HSDP;
 # - the one remaining dim, if any, plays the TP mesh: a parameter's placement there is its
@@ -408,7 +414,8 @@ class TPParam:
 #   several shard dims, on the mesh where they are one flattened dim. These are FSDP2's
 #   placements and meshes (`_init_sharding_spec_spmd`), so DCP and torch's tools read both
 #   engines' parameters alike.
-## The gradient autograd leaves on the compute face keeps its dp placements (a DTensor loss
+#
+# The gradient autograd leaves on the compute face keeps its dp placements (a DTensor loss
 # over `Shard(0)` batches makes it `Partial`): its local tensor is what the reduce-scatter sums,
 # as in FSDP2; only the tp dim is redistributed to the parameter's placement. More than one
 # non-dp dim (EP x TP) is refused: the TP machinery composes with one.

@@ -36,9 +36,10 @@ from .context import ModelContext
 from .events import now
 from .unit import Unit
 
-# -------------------- formerly core/traverse.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Find and replace the tensors inside a module's inputs and outputs.
-## Activations between units come in any shape a model likes: tuples, dicts, namedtuples,
+#
+# Activations between units come in any shape a model likes: tuples, dicts, namedtuples,
 # dataclasses (nested ones too), Hugging Face `ModelOutput`s. The hooks need every tensor in
 # them: to hook outputs for backward, to cast inputs and outputs under mixed precision, and to
 # mark inputs for the post-backward signal. torch's pytree treats a dataclass it was not told
@@ -152,8 +153,9 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward is the unit's post-backward."""
 
     @staticmethod
-    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: Unit, tick: int, *tensors: torch.Tensor) -> Any:
         ctx.unit = unit
+        ctx.tick = tick
         return tensors
 
     @staticmethod
@@ -161,16 +163,17 @@ class _PostBackward(torch.autograd.Function):
         unit: Unit = ctx.unit
         if unit.ctx is not None:
             unit.ctx.ensure_backward()
-            unit.ctx.schedule.post_backward(unit)
-        return (None, *grads)
+            unit.ctx.schedule.post_backward(unit, ctx.tick)
+        return (None, None, *grads)
 
 
-def _mark_inputs(unit: Unit, args: Any) -> Any:
-    """Route the inputs that need a gradient through _PostBackward ([Note: post-backward])."""
+def _mark_inputs(unit: Unit, args: Any, tick: int) -> Any:
+    """Route the inputs that need a gradient through _PostBackward ([Note: post-backward]);
+    `tick`: the forward's first ([Note: stand-ins] in schedule.py)."""
     needs = [t for t in tensors_in(args) if t.requires_grad]
     if not needs:
         return args
-    outs = iter(_PostBackward.apply(unit, *needs))
+    outs = iter(_PostBackward.apply(unit, tick, *needs))
     ids = {id(t) for t in needs}
     return map_tensors(lambda t: next(outs) if id(t) in ids else t, args)
 
@@ -179,9 +182,13 @@ def _mark_inputs(unit: Unit, args: Any) -> Any:
 def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     unit: Unit = module._sw_unit  # type: ignore[assignment]
     assert unit.ctx is not None, "fully_shard gives every unit a context"
-    ctx = unit.ctx.ensure_ready(unit)
+    ctx = unit.ctx.ensure_ready(unit, (args, kwargs))
     mp = unit.mp
     cast_to = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
+    if ctx.containers is not None and not unit.is_root:
+        # Before its gather: the members its call skips over gather first, in container
+        # order ([Note: data-dependent units] in context.py).
+        ctx.containers.called(module)
     if ctx.in_backward:
         # Activation checkpointing re-runs forward inside backward: the unit is needed
         # unsharded (with the same input casts as the first time), and nothing about the
@@ -190,14 +197,12 @@ def forward_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
         return _cast((args, kwargs), cast_to)
     if unit.is_root:
         ctx.begin_forward()
-    if ctx.containers is not None:
-        ctx.containers.called(module)  # before its gather ([Note: data-dependent units])
     if ctx.sinks:
         unit.t_compute = now()
-    ctx.schedule.pre_forward(unit)
+    tick = ctx.schedule.pre_forward(unit)
     args, kwargs = _cast((args, kwargs), cast_to)
     if torch.is_grad_enabled():
-        args, kwargs = _mark_inputs(unit, (args, kwargs))
+        args, kwargs = _mark_inputs(unit, (args, kwargs), tick)
     return args, kwargs
 
 
@@ -213,9 +218,9 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         unit.emit("forward", "", 0, unit.t_compute)
     grad = torch.is_grad_enabled()
     needs = [t for t in tensors_in(output) if t.requires_grad] if grad else []
-    ctx.schedule.post_forward(unit)
+    tick = ctx.schedule.post_forward(unit)
     if needs:
-        hook = _make_pre_backward(ctx, unit)  # one closure per call, not per output
+        hook = _make_pre_backward(ctx, unit, tick)  # one closure per call, not per output
         for t in needs:
             t.register_hook(hook)
     # Each unit's own policy: a block may hand fp32 to the next one while computing in bf16.
@@ -225,12 +230,12 @@ def forward_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
     return output
 
 
-def _make_pre_backward(ctx: ModelContext, unit: Unit):
+def _make_pre_backward(ctx: ModelContext, unit: Unit, tick: int):
     def hook(grad: torch.Tensor) -> None:
         ctx.ensure_backward()
         if ctx.sinks:
             unit.t_compute = now()
-        ctx.schedule.pre_backward(unit)
+        ctx.schedule.pre_backward(unit, tick)
 
     return hook
 

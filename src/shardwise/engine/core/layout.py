@@ -109,7 +109,7 @@ def shard_dim_for(param: torch.Tensor, group_size: int, tp: object | None,
                   placements: dict[int, int]) -> int:
     """The dim the engine shards `param` on: `shard_placement_fn`'s (`placements`, by id)
     when it placed it, else the balanced default; dim 0 under tensor parallelism (its
-    placements compose with dim-0 shards, tp.py) and for tensor subclasses (all-gather
+    placements compose with dim-0 shards, dtensor.py) and for tensor subclasses (all-gather
     extensions gather dim-0 chunks)."""
     explicit = placements.get(id(param))
     if tp is not None or type(param.data) is not torch.Tensor:

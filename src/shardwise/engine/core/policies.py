@@ -7,6 +7,7 @@ construction, so a bad knob fails before any process group or collective is touc
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -22,9 +23,10 @@ from ..comm import collectives as C
 from ..comm.transport import Transport, transport_for
 from . import dtensor as DT
 
-# -------------------- formerly core/checks.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Argument checks shared by the public API: a bad value raises `ValueError` up front.
-## Every check names the parameter, shows the offending value (`repr`) and says what is
+#
+# Every check names the parameter, shows the offending value (`repr`) and says what is
 # allowed. They are pure and local (no collectives), so a function calls them first and a
 # mistake fails on every rank before any process group is touched. `bool` is refused where
 # an int or a number is meant: `True` passing as 1 hides a swapped argument.
@@ -176,15 +178,42 @@ class ShardingStrategy(str, enum.Enum):
     HYBRID_SHARD = "HYBRID_SHARD"
 
     @classmethod
-    def parse(cls, value: str | ShardingStrategy) -> ShardingStrategy:
+    def parse(cls, value: str | ShardingStrategy | Any) -> ShardingStrategy:
+        """Ours, a name, or FSDP1's `torch.distributed.fsdp.ShardingStrategy` (all five
+        members; its `_HYBRID_SHARD_ZERO2` is HYBRID_SHARD whose units keep their parameters
+        from forward to backward: `reshards_after_forward` tells the two apart)."""
         if isinstance(value, ShardingStrategy):
             return value
+        torch_name = _fsdp1_strategy_name(value)
+        if torch_name is not None:
+            return cls.HYBRID_SHARD if torch_name == _ZERO2 else cls[torch_name]
         if isinstance(value, str):
             key = value.strip().upper().replace("-", "_")
             if key in cls.__members__:
                 return cls[key]
         allowed = ", ".join(cls.__members__)
-        raise ValueError(f"sharding_strategy={value!r} is not one of: {allowed}")
+        raise ValueError(f"sharding_strategy={value!r} is not one of: {allowed} (names, "
+                         "sw.ShardingStrategy or torch.distributed.fsdp.ShardingStrategy)")
+
+    @classmethod
+    def reshards_after_forward(cls, value: str | ShardingStrategy | Any) -> bool:
+        """Whether units free their full parameters after forward under `value` (what
+        `parse` takes): FULL_SHARD and HYBRID_SHARD do; SHARD_GRAD_OP, NO_SHARD and FSDP1's
+        `_HYBRID_SHARD_ZERO2` keep them for backward."""
+        if _fsdp1_strategy_name(value) == _ZERO2:
+            return False
+        return cls.parse(value) in (cls.FULL_SHARD, cls.HYBRID_SHARD)
+
+
+# FSDP1's hybrid strategy that keeps parameters from forward to backward (ZeRO-2 inside a node).
+_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+
+def _fsdp1_strategy_name(value: Any) -> str | None:
+    """The member name of FSDP1's `torch.distributed.fsdp.ShardingStrategy`, else None."""
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    return value.name if isinstance(value, TorchStrategy) else None
 
 
 # The strategy names, for configs and CLIs that list the choices.
@@ -235,18 +264,50 @@ class MixedPrecisionPolicy:
         check_bool("cast_forward_inputs", self.cast_forward_inputs)
 
     @classmethod
-    def from_torch(cls, value: Any) -> Any:
+    def from_torch(cls, value: Any, root: bool = False) -> Any:
         """torch.distributed.fsdp.MixedPrecisionPolicy -> ours (same fields, same meaning);
-        anything else is returned as it is."""
+        FSDP1's MixedPrecision -> ours for a unit (`root`: for the root unit; see
+        `from_fsdp1`); anything else is returned as it is."""
+        from torch.distributed.fsdp import MixedPrecision as TorchMP1
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
         if isinstance(value, TorchMP):
             return cls(value.param_dtype, value.reduce_dtype, value.output_dtype,
                        value.cast_forward_inputs)
+        if isinstance(value, TorchMP1):
+            return cls.from_fsdp1(value, root)
         return value
 
     @classmethod
-    def parse(cls, value: str | MixedPrecisionPolicy | None) -> MixedPrecisionPolicy | None:
+    def from_fsdp1(cls, value: Any, root: bool = False) -> MixedPrecisionPolicy | None:
+        """FSDP1's `MixedPrecision` -> the policy of a unit: compute in `param_dtype`, reduce
+        in `reduce_dtype` (None: param_dtype, as in FSDP1), no output cast (FSDP1 has none).
+        The root unit casts its inputs when `cast_root_forward_inputs`, the others when
+        `cast_forward_inputs` (FSDP1's defaults: the root only). `buffer_dtype` is the
+        model's, applied by shard_model (`fsdp1_buffer_dtype`). `keep_low_precision_grads`
+        is refused: shardwise's gradients are in the sharded parameters' dtype."""
+        if value.keep_low_precision_grads is not False and value.param_dtype is not None:
+            raise ValueError(
+                f"MixedPrecision.keep_low_precision_grads={value.keep_low_precision_grads!r} "
+                "is not allowed: shardwise writes gradients in the parameters' own dtype; "
+                "use keep_low_precision_grads=False (the default)")
+        check_bool("MixedPrecision.cast_forward_inputs", value.cast_forward_inputs)
+        check_bool("MixedPrecision.cast_root_forward_inputs", value.cast_root_forward_inputs)
+        parse_dtype(value.buffer_dtype, "MixedPrecision.buffer_dtype")
+        if value.param_dtype is None and value.reduce_dtype is None:
+            return None
+        cast = value.cast_root_forward_inputs if root else value.cast_forward_inputs
+        return cls(parse_dtype(value.param_dtype, "MixedPrecision.param_dtype"),
+                   parse_dtype(value.reduce_dtype, "MixedPrecision.reduce_dtype"), None, cast)
+
+    @classmethod
+    def parse(cls, value: str | MixedPrecisionPolicy | None, root: bool = False
+              ) -> MixedPrecisionPolicy | None:
+        """`root`: the policy of the root unit (differs only for FSDP1's MixedPrecision)."""
+        from torch.distributed.fsdp import MixedPrecision as TorchMP1
+
+        if isinstance(value, TorchMP1):
+            return cls.from_fsdp1(value, root)
         value = cls.from_torch(value)
         if value is None or isinstance(value, MixedPrecisionPolicy):
             return value
@@ -261,9 +322,39 @@ class MixedPrecisionPolicy:
             if key in ("fp16", "float16"):
                 return cls(torch.float16, torch.float32, None)
         raise ValueError(
-            f"mixed_precision={value!r} is not allowed; use None, 'bf16', 'fp16' "
-            "or sw.MixedPrecisionPolicy(...)"
+            f"mixed_precision={value!r} is not allowed; use None, 'bf16', 'fp16', "
+            "sw.MixedPrecisionPolicy(...), torch's MixedPrecisionPolicy or FSDP1's "
+            "MixedPrecision"
         )
+
+
+def fsdp1_buffer_dtype(value: Any) -> torch.dtype | None:
+    """FSDP1's `MixedPrecision.buffer_dtype` (None for anything else): the dtype the model's
+    floating-point buffers compute in."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMP1
+
+    if isinstance(value, TorchMP1):
+        return parse_dtype(value.buffer_dtype, "MixedPrecision.buffer_dtype")
+    return None
+
+
+def check_fsdp1_ignored_classes(value: Any, model: nn.Module, policy: object) -> None:
+    """FSDP1 with a MixedPrecision and an auto_wrap_policy wraps the modules of
+    `MixedPrecision._module_classes_to_ignore` (BatchNorm by default) as their own units
+    computing in fp32; shardwise has no such override, so a model that holds one is refused."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMP1
+
+    if not isinstance(value, TorchMP1) or policy is None:
+        return
+    classes = tuple(value._module_classes_to_ignore)
+    found = next((type(m).__name__ for m in model.modules() if classes
+                  and isinstance(m, classes)), None)
+    if found is not None:
+        raise ValueError(
+            f"MixedPrecision._module_classes_to_ignore={value._module_classes_to_ignore!r} "
+            f"matches {found} in the model: FSDP1 runs those modules in fp32 as units of their "
+            "own, which shardwise does not; pass _module_classes_to_ignore=() (they then "
+            "compute in param_dtype) or mixed_precision=None")
 
 
 @dataclass(frozen=True)
@@ -287,10 +378,15 @@ class CPUOffloadPolicy:
     def from_torch(cls, value: Any) -> Any:
         """torch.distributed.fsdp.CPUOffloadPolicy -> ours (parameters, gradients and
         optimizer state on the host, as FSDP2 does); its base OffloadPolicy (no offload) ->
-        None; anything else is returned as it is."""
+        None; FSDP1's CPUOffload(offload_params=True) -> ours, False -> None; anything else
+        is returned as it is."""
+        from torch.distributed.fsdp import CPUOffload as TorchOffload1
         from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
         from torch.distributed.fsdp import OffloadPolicy as TorchNoOffload
 
+        if isinstance(value, TorchOffload1):  # FSDP1's: parameters and gradients on the host
+            check_bool("CPUOffload.offload_params", value.offload_params)
+            return cls() if value.offload_params else None
         if isinstance(value, TorchOffload):
             return cls(pin_memory=value.pin_memory)
         if isinstance(value, TorchNoOffload):
@@ -307,7 +403,8 @@ class CPUOffloadPolicy:
         if isinstance(value, CPUOffloadPolicy):
             return value
         raise ValueError(
-            f"cpu_offload={value!r} is not allowed; use True, False or sw.CPUOffloadPolicy(...)"
+            f"cpu_offload={value!r} is not allowed; use True, False, sw.CPUOffloadPolicy(...) "
+            "or FSDP1's CPUOffload(...)"
         )
 
 
@@ -374,10 +471,29 @@ def find_block_classes(model: nn.Module) -> set[type[nn.Module]]:
     return found
 
 
-def resolve_wrap_policy(policy: WrapPolicyLike, model: nn.Module) -> WrapPolicy | None:
-    """Turn the `auto_wrap_policy` argument into a predicate (or None: the root only)."""
+def resolve_wrap_policy(policy: WrapPolicyLike, model: nn.Module,
+                        ignored: set[int] | None = None) -> WrapPolicy | None:
+    """Turn the `auto_wrap_policy` argument into a predicate (or None: the root only).
+
+    FSDP1's policies are taken with FSDP1's meaning ([Note: FSDP1 wrap policies]):
+    `torch.distributed.fsdp.wrap`'s `ModuleWrapPolicy` / `CustomPolicy`, and any callable
+    with FSDP1's `(module, recurse, nonwrapped_numel)` signature (partials of
+    `transformer_auto_wrap_policy`, `size_based_auto_wrap_policy`,
+    `lambda_auto_wrap_policy`, a user's own). `ignored`: ids of ignored parameters, which
+    FSDP1's `nonwrapped_numel` does not count.
+    """
     if policy is None:
         return None
+    from torch.distributed.fsdp.wrap import _Policy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy) or (callable(policy) and _takes_fsdp1_args(policy)):
+        chosen = _fsdp1_targets(policy, model, ignored or set())
+
+        def fsdp1_policy(module: nn.Module) -> bool:
+            return id(module) in chosen
+
+        fsdp1_policy.__name__ = f"fsdp1({policy!r})"[:200]
+        return fsdp1_policy
     if isinstance(policy, str):
         key = policy.lower()
         if key == "transformer":
@@ -402,9 +518,67 @@ def resolve_wrap_policy(policy: WrapPolicyLike, model: nn.Module) -> WrapPolicy 
     raise ValueError(f"auto_wrap_policy={policy!r} must be a string, a callable or None")
 
 
-# -------------------- formerly core/mesh.py --------------------
+def _takes_fsdp1_args(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` can be called as FSDP1 calls a policy: module=, recurse=,
+    nonwrapped_numel= (shardwise's own predicates take the module only)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        sig.bind(module=None, recurse=True, nonwrapped_numel=0)
+    except TypeError:
+        return False
+    return True
+
+
+def _fsdp1_targets(policy: Any, model: nn.Module, ignored: set[int]) -> set[int]:
+    """ids of the modules FSDP1 would wrap under `policy`, the root excluded.
+
+    [Note: FSDP1 wrap policies] A `_Policy` object (ModuleWrapPolicy, CustomPolicy) names
+    its targets through `_run_policy`. A callable runs FSDP1's `_recursive_wrap`: asked with
+    `recurse=True` whether to look inside a module, then, after its children, with
+    `recurse=False` whether to wrap it, `nonwrapped_numel` being its parameters (ignored
+    ones not counted) less those its wrapped descendants took; the root is never asked
+    the second question (FSDP1 wraps it itself). Modules whose parameters are all ignored
+    are FSDP1's ignored modules: skipped, as are their children.
+    """
+    skip: set[nn.Module] = set()
+    for m in model.modules():
+        params = list(m.parameters())
+        if params and all(id(p) in ignored for p in params):
+            skip.update(m.modules())
+    from torch.distributed.fsdp.wrap import _Policy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        chosen = policy._run_policy(model, skip, {})
+        for m, kwargs in chosen.items():
+            if kwargs:
+                raise ValueError(
+                    f"auto_wrap_policy={policy!r} gives {type(m).__name__} its own arguments "
+                    f"{sorted(kwargs)}: shardwise applies one set of knobs to every unit; "
+                    "return True instead of a dict")
+        return {id(m) for m in chosen if m is not model}
+    targets: set[int] = set()
+
+    def visit(m: nn.Module, is_root: bool) -> int:
+        numel = sum(p.numel() for p in m.parameters() if id(p) not in ignored)
+        if not policy(module=m, recurse=True, nonwrapped_numel=numel):
+            return 0
+        wrapped = sum(visit(child, False) for child in m.children() if child not in skip)
+        if not is_root and policy(module=m, recurse=False, nonwrapped_numel=numel - wrapped):
+            targets.add(id(m))
+            return numel
+        return wrapped
+
+    visit(model, True)
+    return targets
+
+
+# --------------------------------------------------------------------------------------------------
 # The process groups a unit communicates over, from what the user passed.
-## `mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
+#
+# `mesh=None` is the whole world; a 1-D DeviceMesh one shard group; a 2-D one (replicate,
 # shard) is HYBRID_SHARD. Each mesh chooses its transport once (transport.py).
 
 
@@ -481,7 +655,7 @@ def mesh_for_strategy(strategy: ShardingStrategy, mesh: object | None) -> object
         if mesh is None:
             return MeshInfo(None, 0, 1, None, world, default_device(), C.rank())
         # The replicas are the mesh's ranks: ignoring it all-reduced over the world, which
-        # hung a model on a subgroup ([Note: model ranks] in model_group.py).
+        # hung a model on a subgroup ([Note: model ranks] in context.py).
         if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
             raise ValueError(f"NO_SHARD takes mesh=None (every rank) or a 1-D DeviceMesh of "
                              f"the ranks that replicate the model, got {mesh!r}")

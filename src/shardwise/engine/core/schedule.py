@@ -26,9 +26,24 @@ they follow from the module structure and the forward order alone, never from da
 gathers when its forward (or its backward) reaches it, and the units whose post-backward did
 not run (inputs that needed no gradient) reduce in the final callback, in reverse forward
 order, as in FSDP2. Models whose data decides which units run (an expert that gets no token
-on one rank) are refused where the structure shows it ([Note: data-dependent units] in
-api/checks.py) or named by the container check (core/hooks.py); 3-D experts, or one unit
-per MoE layer, keep every rank's collectives alike whatever the routing (docs/moe.md).
+on one rank) are brought back to the structure: the members of a container of units each
+gather and reduce once per call of the module holding it, in the container's order, on
+every rank ([Note: data-dependent units] in context.py, [Note: stand-ins] below).
+
+[Note: stand-ins] A member of a container that this rank's call of the holder did not run
+(an expert that got no token here) gets a *stand-in*: the calls its hooks would have made,
+at the point in container order where it would have run (`stand_in`: pre_forward and
+post_forward, or recompute). So the forward order recorded is the container's on every rank,
+and so is everything decided from it (prefetch, the final callback's order). In backward the
+stand-in owes what its hooks would have done: gather again (pre_backward) and reduce
+(post_backward), its gradient None (the reduce buffer's flags then count no rank for it,
+[Note: unused gradients] in unit.py). Each owed part is settled at the backward event that
+would have followed it: backward runs forward in reverse, so with every forward event
+numbered (a *tick*: `pre_forward` and `post_forward` each take the next), a unit's
+pre-backward stands at its forward's last tick and its post-backward at its first, and an
+owed part whose tick is later than the event's comes first (latest first). Whatever is still
+owed at the final callback is settled there, the post-backward parts of stand-ins whose
+holder's inputs needed no gradient in the reverse-order pass, where such units reduce.
 
 [Note: decision log] With `Schedule.log` set to a list, the schedule appends every decision
 it takes, in order, as (what, unit): "gather" (an all-gather issued), "wait" (a gather waited
@@ -139,6 +154,10 @@ class Schedule(Generic[U]):
         self.reduced: set[int] = set()
         # [Note: decision log] None: no log is kept (the engine's default; nothing is paid).
         self.log: list[tuple[str, U]] | None = None
+        # [Note: stand-ins] Forward events numbered this step, and what stand-ins owe to
+        # backward (empty unless a container member was skipped: nothing is paid).
+        self.tick = 0
+        self.owed: list[_Owed[U]] = []
 
     @property
     def in_backward(self) -> bool:
@@ -149,9 +168,13 @@ class Schedule(Generic[U]):
     def begin_forward(self) -> None:
         self.state = TrainingState.FORWARD
         self.order_now = []
+        self.tick = 0
+        # Owed by a forward whose backward never came ([Note: stand-ins]).
+        self.owed = []
 
-    def pre_forward(self, unit: U) -> None:
-        """`unit` is about to compute: its parameters must be there; the next one's may come."""
+    def pre_forward(self, unit: U) -> int:
+        """`unit` is about to compute: its parameters must be there; the next one's may come.
+        Returns this event's tick ([Note: stand-ins])."""
         unit.training_state = TrainingState.FORWARD
         self.order_now.append(unit)
         self._wait(unit)
@@ -160,12 +183,37 @@ class Schedule(Generic[U]):
                 and self.order[pos] is unit and pos + 1 < len(self.order)):
             # (An order that changed this step: no guessing.)
             self._prefetch(self.order[pos + 1])
+        self.tick += 1
+        return self.tick
 
-    def post_forward(self, unit: U) -> None:
-        """`unit`'s forward is over."""
+    def post_forward(self, unit: U) -> int:
+        """`unit`'s forward is over. Returns this event's tick."""
         if unit.reshards_after_forward:
             self._reshard(unit)
         unit.training_state = TrainingState.IDLE
+        self.tick += 1
+        return self.tick
+
+    def stand_in(self, calls: Sequence[tuple[U, bool, bool]], late: bool) -> None:
+        """A container member its holder's call did not run here ([Note: stand-ins]): the
+        schedule calls a call of it would make. `calls`: (unit, True) at each unit's
+        pre-forward and (unit, False) after its forward, nested units inside, with whether
+        its backward is owed (grad mode, and a gradient could reach it); `late`: the owed
+        post-backward waits for the final callback (the holder's inputs needed no gradient)."""
+        if self.state is TrainingState.PRE_BACKWARD:
+            for unit, pre, _ in calls:  # activation checkpointing recomputes the holder
+                if pre:
+                    self.recompute(unit)
+            return
+        open_: list[tuple[int, int]] = []
+        for unit, pre, owes in calls:
+            if pre:
+                open_.append((len(self.order_now), self.pre_forward(unit)))
+                continue
+            index, start = open_.pop()
+            end = self.post_forward(unit)
+            if owes:
+                self.owed.append(_Owed(unit, index, start, end, late))
 
     def end_forward(self, backward_follows: bool) -> None:
         """The root's forward is over. Without a backward to come nothing stays gathered."""
@@ -179,6 +227,8 @@ class Schedule(Generic[U]):
             if u.state is ShardedState.GATHERING or (
                     not backward_follows and u.state is not ShardedState.SHARDED):
                 self._reshard(u)
+        if not backward_follows:
+            self.owed = []
         self.state = TrainingState.IDLE
 
     # --- backward -----------------------------------------------------------------------
@@ -187,8 +237,11 @@ class Schedule(Generic[U]):
         """`unit`'s forward runs again inside backward (activation checkpointing)."""
         self._wait(unit)
 
-    def pre_backward(self, unit: U) -> None:
-        """`unit`'s backward is about to run (once per gradient reaching its outputs)."""
+    def pre_backward(self, unit: U, at: int | None = None) -> None:
+        """`unit`'s backward is about to run (once per gradient reaching its outputs);
+        `at`: the tick its forward ended on (None: settle everything owed first)."""
+        if self.owed:
+            self._settle(at)
         self._pre_backward(unit)
 
     def _pre_backward(self, unit: U) -> None:
@@ -210,8 +263,11 @@ class Schedule(Generic[U]):
         if _unshards_in_backward(nxt):
             self._prefetch(nxt)
 
-    def post_backward(self, unit: U) -> None:
-        """`unit`'s backward is over: hand its gradients on, then reshard."""
+    def post_backward(self, unit: U, at: int | None = None) -> None:
+        """`unit`'s backward is over: hand its gradients on, then reshard. `at`: the tick
+        its forward started on (None: settle everything owed first)."""
+        if self.owed:
+            self._settle(at)
         self._post_backward(unit)
 
     def _post_backward(self, unit: U) -> None:
@@ -231,10 +287,21 @@ class Schedule(Generic[U]):
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
         that need no gradient), wait for every reduction, reshard everything."""
+        # [Note: stand-ins] What is still owed: every pre-backward part (each unit's hooks
+        # ran before this callback), the post-backward parts but the late ones.
+        if self.owed:
+            self._settle(None)
+        late = {o.index: o for o in self.owed}
+        self.owed = []
         # Reverse forward order is the order their post-backward would have run; the same
         # on every rank ([Note: structure decides]).
         seen = {id(u) for u in self.order}
-        for u in list(reversed(self.order)) + [u for u in self.units if id(u) not in seen]:
+        n = len(self.order)
+        for i, u in [*reversed(list(enumerate(self.order))),
+                     *((n, u) for u in self.units if id(u) not in seen)]:
+            if (o := late.pop(i, None)) is not None:
+                self._post_backward(o.unit)
+                continue
             if id(u) in self.reduced and u.training_state is TrainingState.POST_BACKWARD:
                 # Reduced, and no backward reached it since. One that did (a tied weight's
                 # second call, an embedding whose inputs need no gradient, after its head's
@@ -251,6 +318,22 @@ class Schedule(Generic[U]):
         self.state = TrainingState.IDLE
         self.reduced = set()  # a second backward of the same graph starts afresh
         self.backward_started = False
+
+    def _settle(self, at: int | None) -> None:
+        """Do the owed parts whose ticks come after `at` (all: None), the latest first
+        ([Note: stand-ins]); the late post-backward parts wait for the final callback."""
+        parts = [(o.end, True, o) for o in self.owed if o.pre and (at is None or o.end > at)]
+        parts += [(o.start, False, o) for o in self.owed
+                  if not o.late and (at is None or o.start > at)]
+        if not parts:
+            return
+        for _, pre, o in sorted(parts, key=lambda x: -x[0]):
+            if pre:
+                o.pre = False
+                self._pre_backward(o.unit)
+            else:
+                self.owed.remove(o)
+                self._post_backward(o.unit)
 
     # --- prefetch -----------------------------------------------------------------------
 
@@ -301,6 +384,18 @@ class Schedule(Generic[U]):
 _STEPS = {ShardedState.SHARDED: ("gather", ShardedState.GATHERING),
           ShardedState.GATHERING: ("wait", ShardedState.UNSHARDED),
           ShardedState.UNSHARDED: ("reshard", ShardedState.SHARDED)}
+
+
+@dataclass(eq=False)
+class _Owed(Generic[U]):
+    """What a stand-in owes to backward ([Note: stand-ins])."""
+
+    unit: U
+    index: int  # its place in the step's forward order
+    start: int  # the ticks of its stand-in pre_forward and post_forward
+    end: int
+    late: bool  # its post-backward part waits for the final callback's pass
+    pre: bool = True  # its pre-backward part is still owed
 
 
 def _unshards_in_backward(unit: ScheduledUnit) -> bool:

@@ -6,9 +6,11 @@ HYBRID_SHARD, or only an all-reduce for NO_SHARD) to reduce gradients. State tra
 live in the unit and are checked at entry (see `ShardedState`); *when* they happen is decided by
 the step schedule (schedule.py). How bytes move is the mesh's transport (transport.py).
 
-This file holds the unit's state and layout; its gather half (unshard / wait_unshard /
-reshard) is unit_gather.py, its reduce half (reduce_grads / finish_reduce) unit_reduce.py,
-both mixins of `Unit`.
+This file holds `Unit` whole (its state and layout, its gather half: unshard / wait_unshard /
+reshard, its reduce half: reduce_grads / finish_reduce and no_sync accumulation) with what
+only it uses: the side streams ([Note: streams]), the buffer pool, the flat buckets, the
+packing of gradients, hpZ's kept rows, the extension parameters' packed all-gather and the
+reduction in flight (`PendingReduce`).
 """
 
 from __future__ import annotations
@@ -17,55 +19,65 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 
 from ..comm import collectives as C
 from ..comm.process_group import block_group
 from ..comm.transport import Transport, transport_for
 from ..comm.work import Work
-from .events import Event, Span, now
-from .extension import ExtGather, pack, unpack
+from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
 from .policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
-from .schedule import ShardedState, TrainingState
+from .schedule import Schedule, ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
 if TYPE_CHECKING:
-    from ..api.state import ShardwiseState
-    from .context import ModelContext
     from .dtensor import TPContext
 
 
-# -------------------- formerly core/streams.py --------------------
+# --------------------------------------------------------------------------------------------------
 # The side streams of one model on a GPU, and how the exposed wait on them is measured.
-## [Note: streams] On CUDA a unit's collectives run off the compute stream, as in FSDP2:
-## - the copy of the shards into the all-gather's send buffer runs on `copy_in`, and the
+#
+# [Note: streams] On CUDA a unit's collectives run off the compute stream, as in FSDP2:
+#
+# - the copy of the shards into the all-gather's send buffer runs on `copy_in`, and the
 #   all-gather itself on `all_gather` (waiting for the copy-in by an event), so a prefetch
 #   issued while unit i computes does not queue behind unit i's kernels;
 # - the reduce-scatter runs on `reduce_scatter`, after the compute stream packed the
-#   gradients (the gradients are freed on the stream that made them);
+#   gradients (the gradients are freed on the stream that made them); under HYBRID_SHARD
+#   the all-reduce across replicas follows at once on `all_reduce`, waiting for the
+#   reduce-scatter by an event (FSDP2's order), and the compute stream waits for it;
+# - hpZ's kept rows ([Note: hpZ]) are written on the compute stream after forward and read
+#   by `copy_in` in backward: an event recorded after the write is waited by `copy_in`
+#   before the read, and the rows are recorded on `copy_in` (`record_stream`) so that
+#   freeing them after the gather does not hand their memory out before the read ran;
 # - the compute stream waits for a gather or a reduction by an event (`wait_event`), never the
 #   host: no host-device sync that FSDP2 does not make;
 # - the two all-gather streams wait for the compute stream once per step, at the root's
 #   forward (or for the event given to `set_post_optim_event`), so that the optimizer's
 #   updates of the shards are visible to the step's gathers and nothing later is waited for.
-## Pooled buffers cross streams, so `BufferPool` (buffers.py) records an event on the stream
+#
+# Pooled buffers cross streams, so `BufferPool` (unit.py) records an event on the stream
 # that releases a buffer and makes the stream that takes it next wait for that event.
-## On CPU none of this exists (`streams_for` returns None) and collectives run as before.
+#
+# On CPU none of this exists (`streams_for` returns None) and collectives run as before.
 
 
 class Streams:
-    """FSDP2's three communication streams on one CUDA device (high priority)."""
+    """FSDP2's communication streams on one CUDA device (high priority)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_in: Any = torch.cuda.Stream(device=device, priority=-1)
         self.all_gather: Any = torch.cuda.Stream(device=device, priority=-1)
         self.reduce_scatter: Any = torch.cuda.Stream(device=device, priority=-1)
+        # HYBRID_SHARD: the all-reduce across replicas, right after the reduce-scatter.
+        self.all_reduce: Any = torch.cuda.Stream(device=device, priority=-1)
 
     def step_starts(self, event: Any = None) -> None:
         """The root's forward: the gathers may read what the compute stream (or the
@@ -115,14 +127,27 @@ class ExposedWait:
         return self.start.elapsed_time(self.end) / 1000.0
 
 
-# -------------------- formerly core/buffers.py --------------------
+class UnitContext(Protocol):
+    """What a unit reads of its model's context (context.py's ModelContext, which holds the
+    units and so is defined above this file): the schedule's phase, the event sinks, the
+    side streams and the step count."""
+
+    schedule: Schedule[Any]
+    sinks: list[EventSink]
+    streams: Streams | None
+    step: int
+
+
+# --------------------------------------------------------------------------------------------------
 # Reusable flat communication buffers.
-## All-gather outputs and reduce-scatter inputs are unit-sized and short-lived; allocating them
+#
+# All-gather outputs and reduce-scatter inputs are unit-sized and short-lived; allocating them
 # fresh for every unit of every step is pure allocator churn. A pool per (dtype, device) hands
 # out the smallest free buffer that is large enough (a slice of it) and takes it back when the
 # collective that used it has completed. At most two all-gathers and two reduce-scatters are in
 # flight, so the pool never holds more than a few unit-sized buffers.
-## On CUDA a buffer crosses streams ([Note: streams] in streams.py): the stream that releases it
+#
+# On CUDA a buffer crosses streams ([Note: streams] in unit.py): the stream that releases it
 # records an event, and the stream that takes it next waits for that event before using it.
 
 
@@ -177,9 +202,10 @@ class BufferPool:
         self.allocated_bytes = 0
 
 
-# -------------------- formerly core/bucket.py --------------------
+# --------------------------------------------------------------------------------------------------
 # A unit's flat layout per communication dtype (`FlatBucket`) and a gather in flight.
-## One all-gather and one reduction per bucket move all of its parameters ([Note: layout] in
+#
+# One all-gather and one reduction per bucket move all of its parameters ([Note: layout] in
 # sharded_param.py for one parameter's rows).
 
 
@@ -235,9 +261,10 @@ class PendingGather:
     done: Any = None
 
 
-# -------------------- formerly core/pack.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Gradients into a unit's reduce buffer: rank-major rows, zero-padded, pre-divided.
-## [Note: divide in the pack] A power-of-two divide is exact, so dividing each rank's gradient
+#
+# [Note: divide in the pack] A power-of-two divide is exact, so dividing each rank's gradient
 # before the sum gives the same bits as after it, and costs nothing inside the pack (one pass
 # instead of a separate one over the reduced shard). Other factors divide after the sum.
 
@@ -280,9 +307,10 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
         dst[full_ranks + 1 :].zero_()
 
 
-# -------------------- formerly core/hpz.py --------------------
+# --------------------------------------------------------------------------------------------------
 # hpZ: after forward, keep each parameter sharded over a block of k ranks, not all S.
-## [Note: hpZ] `fully_shard(m, reshard_after_forward=k)` with k a proper divisor of the
+#
+# [Note: hpZ] `fully_shard(m, reshard_after_forward=k)` with k a proper divisor of the
 # shard-group size S is FSDP2's int form (ZeRO++'s hierarchical partitioning). The shard
 # group is cut into S/k blocks of k consecutive ranks (FSDP2's `(S/k, k)` post-forward mesh;
 # this rank is number `shard_rank % k` of its block). After forward a unit keeps, of each
@@ -292,10 +320,12 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
 # rows and receives k times that, so the block's all-gather output is the full rank-major
 # buffer again, copied out exactly as a shard-group gather is. The post-backward reshard
 # returns to the 1/S shard; the reduce-scatter is over the whole shard group as before.
-## Per rank, backward's all-gather moves (k-1)/k of a unit's gathered bytes over k ranks
+#
+# Per rank, backward's all-gather moves (k-1)/k of a unit's gathered bytes over k ranks
 # (native: sends 1/k of them) instead of (S-1)/S over S ranks; between forward and backward
 # each rank holds 1/k of a unit's compute-dtype parameters instead of 1/S.
-## The kept rows are used only by the backward that follows: a gather outside backward (the
+#
+# The kept rows are used only by the backward that follows: a gather outside backward (the
 # next forward, an explicit `unshard()`) drops them and gathers the shards, which an optimizer
 # step may have changed since. A forward without grad mode (evaluation) reshards fully, and
 # so does a unit holding all-gather extension parameters (their hooks gather per parameter;
@@ -343,7 +373,7 @@ def enable(unit: Unit, k: int) -> None:
 
 
 def make(mesh: MeshInfo, k: int) -> Hpz:
-    """This rank's block of `k` ranks (the group is made once per block, comm/subgroups.py)."""
+    """This rank's block of `k` ranks (the group is made once per block, comm/process_group.py)."""
     S = mesh.shard_size
     assert 1 < k < S and S % k == 0, f"hpZ block {k} of a shard group of {S}"
     group = block_group(mesh.shard_group, k)
@@ -351,7 +381,23 @@ def make(mesh: MeshInfo, k: int) -> Hpz:
     return Hpz(k, group, transport_for(group), rows, (mesh.shard_rank % k) * rows)
 
 
-def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
+@dataclass
+class KeptRows:
+    """What hpZ keeps from forward to backward: per bucket, this rank's block rows."""
+
+    rows: list[torch.Tensor | None]  # (rows * numel,) in the compute dtype; None: empty
+    # CUDA: an event on the compute stream after the rows were written ([Note: streams]).
+    written: Any = None
+
+    def hand_to(self, stream: Any, rows: torch.Tensor) -> None:
+        """`stream` reads `rows` next: it waits for their write, and the allocator keeps
+        their memory until that read ran, wherever the last reference is dropped."""
+        if self.written is not None:
+            stream.wait_event(self.written)
+        rows.record_stream(stream)
+
+
+def keep(unit: Unit, hpz: Hpz) -> KeptRows:
     """Per bucket, this rank's rows of the gathered layout, copied out of the unsharded
     parameters before they are freed: (rows * numel,) in the compute dtype."""
     lo, hi = hpz.first_row, hpz.first_row + hpz.rows
@@ -371,15 +417,99 @@ def keep(unit: Unit, hpz: Hpz) -> list[torch.Tensor | None]:
                 for p, off in zip(g.gathered, g.offsets):
                     p.rows_into(out[:, off: off + p.chunk_numel], lo)
             kept.append(out.view(-1))
-    return kept
+    device = unit.mesh.device
+    written = record(torch.cuda.current_stream(device)) if device.type == "cuda" else None
+    return KeptRows(kept, written)
 
 
-# -------------------- formerly core/reduce.py --------------------
+# ---- the unit's extension all-gather ([Note: all-gather extensions] in sharded_param.py)
+
+
+def torch_mp(unit: Unit) -> TorchMP:
+    """The unit's mixed precision as FSDP2's class (what a 5-argument pre hook receives)."""
+    mp = unit.mp
+    if mp is None:
+        return TorchMP()
+    return TorchMP(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                   output_dtype=mp.output_dtype, cast_forward_inputs=mp.cast_forward_inputs)
+
+
+@dataclass
+class ExtGather:
+    """A unit's extension all-gather in flight: every extension parameter's inputs packed."""
+
+    params: list[ShardedParam]
+    numels: list[list[int]]  # per parameter, per input: elements in the input's dtype
+    dtypes: list[list[torch.dtype]]
+    split: list[int]  # per input: elements in the packed dtype (one rank's row)
+    send: torch.Tensor  # pooled (given back once waited for); the output itself when S == 1
+    out: torch.Tensor
+    work: Work
+    start: float
+    blocked: float = 0.0
+    done: Any = None  # CUDA: an event after the all-gather ([Note: streams])
+    pooled: bool = True  # False when S == 1: send and out are one fresh tensor
+
+
+def pack(unit: Unit, params: list[ShardedParam]) -> tuple[torch.Tensor, ExtGather]:
+    """Run the pre hooks, copy every input into one send buffer (bytes when dtypes differ).
+
+    Returns (the send row, the gather without its work) for the caller to issue.
+    """
+    with torch.no_grad():  # as FSDP2 calls them: what the hooks compute is not autograd's
+        mp = torch_mp(unit)
+        per = [p.ext.inputs(mp) for p in params]  # type: ignore[union-attr]
+    dtypes = [[t.dtype for t in ts] for ts in per]
+    numels = [[t.numel() for t in ts] for ts in per]
+    flat = [t for ts in per for t in ts]
+    dtype = flat[0].dtype
+    if len({t.dtype for t in flat}) > 1 or (dtype.is_floating_point and dtype.itemsize == 1):
+        # Mixed dtypes as bytes (FSDP2's rule); float8 too, which gloo cannot move (an
+        # all-gather copies bits, so bytes are the same gather).
+        dtype = torch.uint8
+        flat = [t.contiguous().view(torch.uint8) for t in flat]
+    split = [t.numel() for t in flat]
+    numel = sum(split)
+    S, device = unit.mesh.shard_size, unit.mesh.device
+    if S == 1:
+        send = out = torch.empty(numel, dtype=dtype, device=device)
+        pooled = False
+    else:
+        out = unit.pool.get(numel * S, dtype, device)
+        send = unit.transport.gather_buffer(numel, dtype, device, unit.pool)
+        pooled = True
+    with torch.no_grad():
+        torch.cat(flat, out=send[:numel])
+    pg = ExtGather(list(params), numels, dtypes, split, send, out, Work(None, out), 0.0,
+                   pooled=pooled)
+    return send, pg
+
+
+def unpack(unit: Unit, pg: ExtGather) -> None:
+    """The gathered rows into each parameter's outputs, then its post hook."""
+    S = unit.mesh.shard_size
+    views: list[torch.Tensor] = []
+    for p, numels, dtypes in zip(pg.params, pg.numels, pg.dtypes):
+        for o in p.ext.outputs_for(numels, dtypes, S, unit.mesh.device):  # type: ignore[union-attr]
+            v = o.view(S, -1)
+            views.append(v.view(torch.uint8) if pg.out.dtype is torch.uint8 else v)
+    rows = pg.out.view(S, -1)
+    # The outputs may be what autograd saved in forward (a post hook that returns them):
+    # refilling them in backward must not bump the version it checks (FSDP2 does the same).
+    live = tuple(v for v in views if not v.is_inference())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(live):
+        torch.split_with_sizes_copy(rows, pg.split, dim=1, out=views)
+    for p in pg.params:
+        p.ext.post()  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------------------------------
 # A unit's gradient reduction: pack, reduce-scatter, divide, write the shards.
-## The unit decides *that* its gradients reduce (unit_reduce.py, called by the schedule); this file
+#
+# The unit decides *that* its gradients reduce (unit.py, called by the schedule); this file
 # is *how*: one reduction per flat bucket, in flight as a `PendingReduce` until the schedule
 # finishes it, which writes the reduced rows into the sharded gradients. Every gradient is
-# copied into one rank-major buffer (pack.py) that the transport reduce-scatters.
+# copied into one rank-major buffer (unit.py) that the transport reduce-scatters.
 
 
 @dataclass
@@ -390,16 +520,21 @@ class PendingReduce:
     out: torch.Tensor
     work: Work
     start: float
-    # Every parameter had a gradient here, so every count is >= 1 (no need to read them).
-    complete: bool = True
+    # Indices (into the bucket's grad_params) of the parameters this rank had no gradient
+    # for: only their counts can be 0 ([Note: unused gradients]); empty: no count is read.
+    missing: tuple[int, ...] = ()
     # What is left to divide by after the sum (1: the pack divided already, [Note: divide
     # in the pack]).
     post: float = 1.0
     # Set once the result is in the sharded gradients: finishing twice would release the
     # send buffer twice and add the gradient twice.
     finished: bool = False
-    # CUDA: an event after the reduce-scatter on its own stream ([Note: streams]).
+    # CUDA: an event after the reduce-scatter (HYBRID_SHARD: and the all-reduce after it),
+    # each on its own stream ([Note: streams]).
     done: Any = None
+    # HYBRID_SHARD on CUDA: the all-reduce across replicas was issued right after the
+    # reduce-scatter, so finishing only waits for it.
+    all_reduced: bool = False
 
     def finish(self) -> None:
         """Wait for the reduction and write its result (idempotent)."""
@@ -425,8 +560,8 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
         return None  # one rank, no casts: the gradients already are the result
     start = now()
     dtype = unit.reduce_dtype_for[g.dtype]
-    complete = all(x is not None for x in grads)
-    flags = _flags(unit, g, grads, dtype, complete)
+    # Which parameters this rank has no gradient for: known on the host, never read back.
+    missing = tuple(i for i, x in enumerate(grads) if x is None)
     k = len(g.grad_params)
     width = g.grad_numel + k
     # With S == 1 the packed buffer becomes the gradients: not pooled.
@@ -437,7 +572,11 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
         pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
         p.drop_local_grad()
-    rows[:, g.grad_numel :].copy_(flags)
+    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
+    # a zero column per missing gradient (no host list copied to the device).
+    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, mesh.device))
+    for i in missing:
+        rows[:, g.grad_numel + i].zero_()
     unit.copied["pack"] += send.numel() * send.element_size()
     if S > 1:
         out = torch.empty(width, dtype=dtype, device=mesh.device)
@@ -452,12 +591,24 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
                 work = unit.transport.reduce_scatter(out, send, False, unit.pool,
                                                      label=unit.label)
                 done = record(rs)
-            return PendingReduce(unit, g, send, out, work, start, complete, post, done=done)
+            all_reduced = mesh.replicate_size > 1 and unit.requires_all_reduce
+            if all_reduced:
+                # HYBRID_SHARD: the all-reduce across replicas on its own stream, right
+                # after the reduce-scatter (FSDP2's order), not later on the compute stream.
+                ar = streams.all_reduce
+                ar.wait_event(done)
+                with torch.cuda.stream(ar):
+                    out = _take_deferred(unit, g, out)
+                    work = C.all_reduce(out, mesh.replicate_group, async_op=False,
+                                        label=unit.label)
+                    done = record(ar)
+            return PendingReduce(unit, g, send, out, work, start, missing, post, done=done,
+                                 all_reduced=all_reduced)
         work = unit.transport.reduce_scatter(out, send, True, unit.pool, label=unit.label)
-        return PendingReduce(unit, g, send, out, work, start, complete, post)
+        return PendingReduce(unit, g, send, out, work, start, missing, post)
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
-    return PendingReduce(unit, g, None, send, work, start, complete, post)
+    return PendingReduce(unit, g, None, send, work, start, missing, post)
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -482,17 +633,21 @@ def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
     return scale, (1.0 if scale is not None else factor)
 
 
-def _flags(unit: Unit, g: FlatBucket, grads: list, dtype: torch.dtype,
-           complete: bool) -> torch.Tensor:
-    """[Note: unused gradients] flags; all ones (the usual case) is made once per layout."""
-    if complete:
-        return g.all_flags(dtype, unit.mesh.device)
-    return torch.tensor([0.0 if x is None else 1.0 for x in grads], dtype=dtype,
-                        device=unit.mesh.device)
+# [Note: post-accumulate-grad hooks] Hooks registered on a sharded parameter
+# (`param.register_post_accumulate_grad_hook`, PyTorch's optimizer-in-backward recipe) run
+# as FSDP2 runs them: once per reduction, on the sharded parameter, right after its reduced
+# gradient is written (after the copy to the host under CPU offload, which then blocks:
+# the hook reads the gradient at once). Autograd never accumulates into a sharded parameter
+# (the modules compute with the unsharded one), so it would never run them. A direct
+# parameter (NO_SHARD without casts) is the one autograd accumulates into, and autograd
+# would run them on the local, unreduced gradient: its gather sets them aside until the
+# reduced gradient is written (ShardedParam.hide_post_accumulate_hooks). A gradient this
+# rank had none for runs them at the end of backward, if some rank computed it (UnsureGrads).
 
 
 def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
-    """Wait for a reduction and write the result into the sharded gradients."""
+    """Wait for a reduction, write the result into the sharded gradients and run their
+    post-accumulate-grad hooks ([Note: post-accumulate-grad hooks])."""
     if pr.done is not None:
         ctx = unit.ctx
         waited = ExposedWait(pr.done, bool(ctx and ctx.sinks)).seconds
@@ -509,11 +664,14 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         unit.emit("reduce_scatter", "reduce_scatter", nbytes * mesh.shard_size, pr.start,
                    waited)
         unit.pool.release(pr.send)
-        if mesh.replicate_size > 1:
+        if pr.all_reduced:
+            # Issued on its own stream right after the reduce-scatter ([Note: streams]).
+            unit.emit("all_reduce", "all_reduce", nbytes, pr.start, 0.0)
+        elif mesh.replicate_size > 1:
             if not unit.requires_all_reduce:
                 _defer(unit, pr, out)
                 return
-            out = _take_deferred(unit, pr, out)
+            out = _take_deferred(unit, pr.bucket, out)
             with Span() as call:
                 C.all_reduce(out, mesh.replicate_group, label=unit.label)
             # Synchronous: the whole call is exposed.
@@ -521,8 +679,6 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     elif mesh.replicate_size > 1:
         unit.emit("all_reduce", "all_reduce", nbytes, pr.start, waited)
     n_grad = pr.bucket.grad_numel
-    # Counts of contributing ranks ([Note: unused gradients]); read only when needed.
-    counts = None if pr.complete else out[n_grad:].tolist()
     # The mean over ranks of each rank's mean loss gradient: what the pack did not divide
     # yet is divided now (divide()).
     hook = unit.all_reduce_hook
@@ -532,16 +688,21 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
         out[:n_grad].div_(pr.post)
     if hook is not None and not unit.force_sum_reduction:
         _run_hook(unit, hook, out[:n_grad])
+    missing = set(pr.missing)
     with torch.no_grad():
         for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
-            if counts is not None and counts[i] == 0:
-                continue  # no rank computed it: the gradient stays as it was (None)
             n = p.local_rows * p.row_numel
             grad = out[off : off + n].view(p.local.shape)
             have = p.shard_grad
+            hooked = p.post_accumulate_hooks()
             if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                grad = _to_host(unit, grad, p.orig_dtype, p.host_device, have is None)
+                grad = _to_host(unit, grad, p, have is None, bool(hooked))
                 unit.copied["reduce_out"] += n * grad.element_size()
+            if i in missing:
+                # Its count may be 0 (no rank computed it): read once, at the end of backward.
+                unit.unsure.note(p, have is None, out[n_grad + i : n_grad + i + 1])
+            else:
+                unit.unsure.used(p)
             if p.direct or have is None:
                 # Direct params accumulated locally; the reduced sum replaces it.
                 p.set_shard_grad(grad)
@@ -549,6 +710,54 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
                     p.mark_reduced()
             else:
                 have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+            if i not in missing:
+                p.run_post_accumulate_hooks()
+
+
+@dataclass
+class UnsureGrads:
+    """[Note: unused gradients] without a host read per bucket: the gradients this rank had
+    none for, written from the reduction like the others, with their counts kept on the
+    device. At the end of backward (`Unit.settle`) the counts are read once, in one copy:
+    where no rank computed the gradient it goes back to `None` (if it was `None` before this
+    backward), and where some rank did, its post-accumulate-grad hooks run. Only buckets
+    where this rank missed a gradient put anything here (per-layer MoE units whose expert
+    got no tokens on this rank); FSDP2 cannot run that case at all (a size mismatch)."""
+
+    # id(param) -> [param, was None before this backward, its count tensors, whether this
+    # rank computed it in another reduction of this backward]
+    entries: dict[int, list[Any]] = field(default_factory=dict)
+    # Parameters this rank had a gradient for in some reduction of this backward.
+    seen: set[int] = field(default_factory=set)
+
+    def note(self, p: ShardedParam, was_none: bool, count: torch.Tensor) -> None:
+        e = self.entries.setdefault(id(p), [p, was_none, [], id(p) in self.seen])
+        e[2].append(count.clone())
+
+    def used(self, p: ShardedParam) -> None:
+        self.seen.add(id(p))
+        e = self.entries.get(id(p))
+        if e is not None:
+            e[3] = True  # it has a gradient whatever the counts; its hooks ran then
+
+    def settle(self) -> None:
+        entries = [e for e in self.entries.values() if not e[3]]
+        self.clear()
+        if not entries:
+            return
+        counts = torch.cat([c for e in entries for c in e[2]]).tolist()  # the one host read
+        at = 0
+        for p, was_none, cs, _ in entries:
+            total, at = sum(counts[at : at + len(cs)]), at + len(cs)
+            if total == 0:
+                if was_none:
+                    p.sharded.grad = None  # no rank computed it: `None`, as unsharded
+            else:
+                p.run_post_accumulate_hooks()
+
+    def clear(self) -> None:
+        self.entries = {}
+        self.seen = set()
 
 
 def _defer(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> None:
@@ -567,8 +776,8 @@ def _defer(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> None:
         have.add_(out)
 
 
-def _take_deferred(unit: Unit, pr: PendingReduce, out: torch.Tensor) -> torch.Tensor:
-    have = unit.partial_reduce.pop(id(pr.bucket), None)
+def _take_deferred(unit: Unit, bucket: FlatBucket, out: torch.Tensor) -> torch.Tensor:
+    have = unit.partial_reduce.pop(id(bucket), None)
     if have is not None:
         out.add_(have)
     return out
@@ -587,237 +796,36 @@ def _run_hook(unit: Unit, hook: Callable[[torch.Tensor], None],
     dev.current_stream().wait_stream(stream)
 
 
-def _to_host(unit: Unit, grad: torch.Tensor, dtype: torch.dtype, host: torch.device,
-             fresh: bool) -> torch.Tensor:
+def offload_copy(pin_memory: bool, fresh: bool, hooked: bool) -> tuple[bool, bool]:
+    """How a reduced gradient goes device -> host under CPU offload: (into pinned memory,
+    without blocking). FSDP2's rule: only into pinned memory (`CPUOffloadPolicy(pin_memory=
+    True)`) may the copy run without blocking, and only when nothing on the host reads the
+    gradient inside backward: not when it adds to an existing gradient, not when a
+    post-accumulate-grad hook will read it (optimizer-in-backward)."""
+    return pin_memory, pin_memory and fresh and not hooked
+
+
+def _to_host(unit: Unit, grad: torch.Tensor, p: ShardedParam, fresh: bool,
+             hooked: bool) -> torch.Tensor:
     """The reduced gradient in the master dtype on the shard's device.
 
-    CPU offload on a GPU: copied device -> host without blocking, into pinned memory, and
-    an event recorded after the copy; the unit synchronizes on its events once, at the end
-    of backward (`Unit.settle_offload`), as FSDP2 does, instead of one blocking copy per
-    parameter inside backward. A gradient accumulated into one that exists already must be
-    there now, so that copy blocks.
+    CPU offload on a GPU: copied device -> host without blocking where `offload_copy` allows,
+    and an event recorded after the copy; the unit synchronizes on its events once, at the
+    end of backward (`Unit.settle`), as FSDP2 does, instead of one blocking copy per
+    parameter inside backward.
     """
+    dtype, host = p.orig_dtype, p.host_device
     grad = grad.to(dtype)
     if grad.device == host:
         return grad
-    if not (fresh and grad.is_cuda and host.type == "cpu"):
+    pinned, non_blocking = offload_copy(p.pin_memory, fresh, hooked)
+    if not (grad.is_cuda and host.type == "cpu"):
         return grad.to(host)
-    pinned = torch.empty(grad.shape, dtype=dtype, device=host, pin_memory=True)
-    pinned.copy_(grad, non_blocking=True)
-    unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
-    return pinned
-
-
-# -------------------- formerly core/unit_gather.py --------------------
-# One unit's gather half: unshard (issue the all-gather), wait_unshard (the full parameters
-# onto the modules), reshard (the shards back), with the extension parameters' packed gather
-# beside the plain buckets' ([Note: all-gather extensions] in extension.py).
-## A mixin of `Unit` (unit.py), which holds the state these methods move between.
-
-
-class UnitGather:
-    mesh: MeshInfo
-    pool: BufferPool
-    transport: Transport
-    ctx: ModelContext | None
-    state: ShardedState
-    training_state: TrainingState
-    params: list[ShardedParam]
-    ext_params: list[ShardedParam]
-    buckets: list[FlatBucket]
-    hpz: Hpz | None
-    post_forward: list[torch.Tensor | None] | None
-    copied: dict[str, int]
-    _gathers: list[PendingGather]
-    _ext_gather: ExtGather | None
-    _gather_size: int
-
-    # --- unshard / reshard -------------------------------------------------------------
-
-    def unshard(self, async_op: bool = True) -> None:
-        """Issue the all-gather (idempotent: no-op unless SHARDED)."""
-        if self.state is not ShardedState.SHARDED:
-            return
-        S, transport = self.mesh.shard_size, self.transport
-        # [Note: hpZ] The rows kept after forward serve the backward that follows only.
-        kept, self.post_forward = self.post_forward, None
-        if kept is not None and not (self.ctx is not None and self.ctx.schedule.in_backward):
-            kept = None
-        if kept is not None:
-            assert self.hpz is not None
-            transport = self.hpz.transport
-        self._gather_size = transport.size if S > 1 else 1
-        streams = self.ctx.streams if self.ctx is not None else None
-        if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
-            # An explicit unshard() between steps: the shards may have just been written.
-            streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
-        for i, g in enumerate(self.buckets):
-            if S == 1 or g.numel == 0:
-                continue  # nothing to gather; wait_unshard() casts/copies locally
-            start = now()
-            # What this rank sends: its shard, or under hpZ its block rows (S/k shards).
-            n = g.numel if kept is None else g.numel * (S // transport.size)
-            with _on(streams and streams.copy_in):  # [Note: streams]
-                out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
-                send = transport.gather_buffer(n, g.dtype, self.mesh.device, self.pool)
-                shard = send[:n]
-                with torch.no_grad():
-                    if kept is not None:
-                        shard.copy_(kept[i], non_blocking=True)  # type: ignore[arg-type]
-                    else:
-                        # Casts to the compute dtype and, under offload, copies host -> device.
-                        torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
-                                              in zip(g.gathered, g.offsets)],
-                                             [p.padded_shard.reshape(-1) for p in g.gathered],
-                                             non_blocking=True)
-            # all-to-all also replicates the shard into every peer's row.
-            self.copied["gather_in"] += (n * shard.element_size()
-                                         * (transport.size if transport.name == "all_to_all"
-                                            else 1))
-            if streams is not None:
-                streams.all_gather.wait_stream(streams.copy_in)
-                with _on(streams.all_gather):
-                    # Synchronous on NCCL means: the all-gather stream waits, not the host.
-                    work = transport.all_gather(out, send, n, False, label=self.label)
-                    done = record(streams.all_gather)
-                self._gathers.append(PendingGather(g, send, out, work, start, 0.0, done))
-                continue
-            with Span() as call:
-                work = transport.all_gather(out, send, n, async_op, label=self.label)
-            # A synchronous gather blocks inside the call: all of it is exposed.
-            self._gathers.append(PendingGather(g, send, out, work, start,
-                                               0.0 if async_op else call.seconds))
-        if self.ext_params:
-            self._ext_gather = self._gather_extensions(async_op, streams)
-        self.state = ShardedState.GATHERING
-
-    def _gather_extensions(self, async_op: bool, streams: Any) -> ExtGather:
-        """The extension parameters' pre hooks and their one packed all-gather
-        ([Note: all-gather extensions] in extension.py)."""
-        start = now()
-        with _on(streams and streams.copy_in):  # the hooks run where the copy-in does
-            send, pg = pack(self, self.ext_params)
-        pg.start = start
-        numel, S = sum(pg.split), self.mesh.shard_size
-        self.copied["gather_in"] += (numel * send.element_size()
-                                     * (S if self.transport.name == "all_to_all" else 1))
-        if S == 1:
-            return pg  # the send row is the output: nothing to gather
-        if streams is not None:
-            streams.all_gather.wait_stream(streams.copy_in)
-            with _on(streams.all_gather):
-                pg.work = self.transport.all_gather(pg.out, send, numel, False,
-                                                    label=self.label)
-                pg.done = record(streams.all_gather)
-            return pg
-        with Span() as call:
-            pg.work = self.transport.all_gather(pg.out, send, numel, async_op, label=self.label)
-        pg.blocked = 0.0 if async_op else call.seconds
-        return pg
-
-    def _wait(self, pg: PendingGather | ExtGather) -> float:
-        """Wait for a gather (CUDA: the compute stream waits); the exposed seconds."""
-        if pg.done is not None:  # [Note: streams]
-            return ExposedWait(pg.done, bool(self.ctx and self.ctx.sinks)).seconds
-        with Span() as wait:
-            pg.work.wait()
-        return wait.seconds
-
-    def wait_unshard(self) -> None:
-        """Make the full parameters available on the modules (gathering first if needed)."""
-        if self.state is ShardedState.UNSHARDED:
-            return
-        if self.state is ShardedState.SHARDED:
-            self.unshard(async_op=False)
-        S = self.mesh.shard_size
-        with torch.no_grad():
-            for pg in self._gathers:
-                waited = self._wait(pg)
-                self.pool.release(pg.send)
-                rows = pg.out.view(S, pg.bucket.numel)
-                for p in pg.bucket.gathered:
-                    p.alloc_unsharded()
-                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
-                # views so the copy does not bump the autograd version counter that tensors
-                # saved in forward check in backward (they alias this storage).
-                dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
-                if all(d is not None for d in dsts):
-                    torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
-                else:
-                    # A parameter on another dim is copied into its own layout
-                    # ([Note: layout] in sharded_param.py), on this (compute) stream too.
-                    for p, part in zip(pg.bucket.gathered,
-                                       rows.split(pg.bucket.sizes, dim=1)):
-                        p.copy_out(part)
-                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
-                self.pool.release(pg.out)
-                self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
-                           pg.start, waited + pg.blocked)
-            if self._ext_gather is not None:
-                self._finish_extensions(self._ext_gather)
-            if S == 1:
-                for p in self.params:
-                    if not p.direct and p.ext is None:
-                        p.alloc_unsharded()
-                        p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
-        self._gathers.clear()
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.unsharded
-        self.state = ShardedState.UNSHARDED
-
-    def _finish_extensions(self, pg: ExtGather) -> None:
-        self._ext_gather = None
-        waited = self._wait(pg) if self.mesh.shard_size > 1 else 0.0
-        if pg.pooled:
-            self.pool.release(pg.send)
-        unpack(self, pg)
-        nbytes = pg.out.numel() * pg.out.element_size()
-        self.copied["gather_out"] += nbytes
-        if pg.pooled:
-            self.pool.release(pg.out)
-            self.emit("all_gather", "all_gather", nbytes, pg.start, waited + pg.blocked)
-
-    def shards_changed_since_gather(self) -> bool:
-        """Unsharded, and some shard was written since it was gathered: this rank's rows of
-        a gathered parameter are no longer its shard, cast as the gather cast it.
-
-        Compared by value, not by version counters: torch's fused optimizers and writes
-        through `.data` bump none. Only units still gathered at a forward's start pay it (a
-        forward that no backward followed, reshard_after_backward=False).
-        """
-        if self.state is not ShardedState.UNSHARDED:
-            return False
-        for p in self.params:
-            if p.ext is not None:
-                return True  # what its hooks gathered cannot be compared to the shard
-            if p.direct:
-                continue
-            mine = p.gathered_local_rows()
-            if not torch.equal(mine, p.local.to(device=mine.device, dtype=mine.dtype)):
-                return True
-        return False
-
-    def reshard(self) -> None:
-        """Free the full parameters; the modules see the shards again. In forward under
-        hpZ, this rank's block rows are kept for backward first ([Note: hpZ])."""
-        if self.state is ShardedState.SHARDED:
-            if self.training_state is not TrainingState.FORWARD:
-                self.post_forward = None  # backward is over (or never came)
-            return
-        if self.state is ShardedState.GATHERING:
-            # Collectives must complete on every rank before their buffers go back.
-            self.wait_unshard()
-        start = now()
-        if (self.hpz is not None and self.training_state is TrainingState.FORWARD
-                and torch.is_grad_enabled() and not self.ext_params):
-            self.post_forward = keep(self, self.hpz)
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.sharded
-            p.free_unsharded()
-        self.state = ShardedState.SHARDED
-        self.emit("reshard", "", 0, start)
+    dst = torch.empty(grad.shape, dtype=dtype, device=host, pin_memory=pinned)
+    dst.copy_(grad, non_blocking=non_blocking)
+    if non_blocking:
+        unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
+    return dst
 
 
 def _on(stream: Any) -> Any:
@@ -825,83 +833,10 @@ def _on(stream: Any) -> Any:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-# -------------------- formerly core/unit_reduce.py --------------------
-# One unit's reduce half: after its backward, reduce the gradients (reduce.py issues the
-# collectives and writes the sharded gradients), or keep them unsharded inside no_sync().
-## A mixin of `Unit` (unit.py), which holds the layout and the flags read here.
+class Unit:
+    """The parameters of one `fully_shard` call: one all-gather per bucket to unshard, one
+    reduction per bucket after backward; `ShardedState` says which face the modules hold."""
 
-
-class UnitReduce:
-    ctx: ModelContext | None
-    buckets: list[FlatBucket]
-    reduce_dtype_for: dict[torch.dtype, torch.dtype]
-    requires_grad_sync: bool
-    unsynced: bool
-    t_compute: float
-    offload_events: list[Any]
-
-    # --- gradients ----------------------------------------------------------------------
-
-    def has_unreduced_grads(self) -> bool:
-        """Whether a gradient waits for a reduction (a pure question: nothing moves).
-
-        Under no_sync, decided alike on every rank: a backward ran for this unit (at the
-        same point everywhere, [Note: structure decides]) that kept its gradients. Whether
-        this rank holds any is its data's business (a parameter the micro-batches used on
-        some ranks only): the unit still reduces on all of them.
-        """
-        return self.unsynced or any(p.has_local_grad() for g in self.buckets
-                                    for p in g.grad_params)
-
-    def reduce_grads(self) -> Sequence[PendingReduce]:
-        """The unit's backward is over: reduce its gradients (async); the schedule reshards.
-
-        May run more than once per backward (a unit used by several forwards): each call
-        reduces what accumulated since the last one, and the results add up in the sharded
-        gradients. Inside no_sync() the gradients stay unsharded (upcast to the reduce
-        dtype, as they will be reduced in it) for a later backward to reduce.
-        """
-        if self.ctx is not None and self.ctx.sinks:
-            self.emit("backward", "", 0, self.t_compute)
-        # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
-        self.unsynced = not self.requires_grad_sync
-        if self.requires_grad_sync:
-            return self._reduce_grads()
-        self._accumulate_unsynced()
-        return ()
-
-    def _accumulate_unsynced(self) -> None:
-        for g in self.buckets:
-            rd = self.reduce_dtype_for[g.dtype]
-            for p in g.grad_params:
-                grad = None if p.direct else p.unsharded_grad()
-                if grad is None or grad.dtype == rd:
-                    continue  # accumulates in place already, in the right dtype
-                with torch.no_grad():
-                    if p.acc_grad is None:
-                        p.acc_grad = grad.to(rd)
-                    else:
-                        p.acc_grad.add_(grad)
-                p.unsharded.grad = None
-
-    def _reduce_grads(self) -> list[PendingReduce]:
-        with torch.no_grad():
-            pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
-        return [pr for pr in pending if pr is not None]
-
-    def settle_offload(self) -> None:
-        """Wait for the gradient copies to the host (CPU offload on a GPU): the optimizer
-        steps them on the host next."""
-        for ev in self.offload_events:
-            ev.synchronize()
-        self.offload_events.clear()
-
-    def finish_reduce(self, pr: PendingReduce) -> None:
-        """Wait for a reduction and write the result into the sharded gradients."""
-        finish_reduce(self, pr)
-
-
-class Unit(UnitGather, UnitReduce):
     def __init__(
         self,
         module: nn.Module,
@@ -930,7 +865,7 @@ class Unit(UnitGather, UnitReduce):
         self.training_state = TrainingState.IDLE
         # The per-model context (engine/core/context.py), set when this unit is sharded and
         # replaced when a parent is sharded.
-        self.ctx: ModelContext | None = None
+        self.ctx: UnitContext | None = None
         self.is_root = False
         # False inside no_sync(): keep unsharded gradients and reduce them later.
         self.requires_grad_sync = True
@@ -940,17 +875,19 @@ class Unit(UnitGather, UnitReduce):
         self.reshard_after_backward = True
         # Reduced gradients are divided by this (None: the data-parallel size, a mean).
         self.grad_divide_factor: float | None = None
-        # FSDP2 module methods (module_api.py, module_comm_api.py).
+        # FSDP2 module methods (sharded_module.py, sharded_module.py).
         self.unshard_in_backward = True
         self.force_sum_reduction = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: object | None = None
         # How bytes move: the mesh's, or user collectives (set_custom_all_gather).
         self.transport: Transport = mesh.transport
-        self.state_view: ShardwiseState | None = None
+        # api/state.py's ShardwiseState for this unit, made once on first ask (typed loosely:
+        # the core imports nothing from the API layer).
+        self.state_view: Any = None
         self._gathers: list[PendingGather] = []
         # The extension parameters' packed all-gather in flight ([Note: all-gather
-        # extensions] in extension.py), beside the plain buckets' gathers.
+        # extensions] in sharded_param.py), beside the plain buckets' gathers.
         self._ext_gather: ExtGather | None = None
         self.ext_params: list[ShardedParam] = []
         # Bytes this unit copied locally since it was sharded, by where (gather_in: shards
@@ -963,17 +900,23 @@ class Unit(UnitGather, UnitReduce):
         self.t_compute = 0.0
         self.buckets: list[FlatBucket] = []
         # CUDA with CPU offload: events after this backward's non-blocking gradient copies
-        # to the host (reduce.py), synchronized once at the end of backward.
+        # to the host (unit.py), synchronized once at the end of backward.
         self.offload_events: list[Any] = []
-        # hpZ ([Note: hpZ] in hpz.py): the block of ranks forward reshards to (None: the
+        # Gradients this rank had none for, written from a reduction whose count is read at
+        # the end of backward ([Note: unused gradients], UnsureGrads).
+        self.unsure = UnsureGrads()
+        # Each parameter's sharded-Parameter version when the unit was last gathered: an
+        # in-place write through it since (every rank runs it) makes the gathered copy stale.
+        self._gathered_versions: list[int] = []
+        # hpZ ([Note: hpZ] in unit.py): the block of ranks forward reshards to (None: the
         # whole shard group), and per bucket the rows kept between forward and backward.
         self.hpz: Hpz | None = None
-        self.post_forward: list[torch.Tensor | None] | None = None
+        self.post_forward: KeptRows | None = None
         # Ranks of the all-gather last issued (the shard group, or the hpZ block): events.
         self._gather_size = mesh.shard_size
         # False (set_requires_all_reduce, HYBRID_SHARD): reduce-scatter, but keep the
         # result here, per bucket, instead of all-reducing it across replicas; the next
-        # reduction that all-reduces adds it in (reduce.py, [Note: deferred all-reduce]).
+        # reduction that all-reduces adds it in (unit.py, [Note: deferred all-reduce]).
         self.requires_all_reduce = True
         self.partial_reduce: dict[int, torch.Tensor] = {}
         self.params: list[ShardedParam] = []
@@ -1039,3 +982,286 @@ class Unit(UnitGather, UnitReduce):
                        now() if end is None else end, ctx.step, wait, group)
             for sink in ctx.sinks:
                 sink(ev)
+
+    # ---- the gather half: unshard / wait_unshard / reshard ----
+
+    def unshard(self, async_op: bool = True) -> None:
+        """Issue the all-gather (idempotent: no-op unless SHARDED)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        # FSDP2 asks each shard for its all-gather hooks at every gather: hooks patched onto
+        # a shard after the first forward gather from the next one on.
+        if any([p.refresh_extension() for p in self.params]):
+            self.set_params(self.params)
+        S, transport = self.mesh.shard_size, self.transport
+        # [Note: hpZ] The rows kept after forward serve the backward that follows only.
+        kept, self.post_forward = self.post_forward, None
+        if kept is not None and not (self.ctx is not None and self.ctx.schedule.in_backward):
+            kept = None
+        if kept is not None:
+            assert self.hpz is not None
+            transport = self.hpz.transport
+        self._gather_size = transport.size if S > 1 else 1
+        streams = self.ctx.streams if self.ctx is not None else None
+        if streams is not None and self.ctx.schedule.state is TrainingState.IDLE:  # type: ignore[union-attr]
+            # An explicit unshard() between steps: the shards may have just been written.
+            streams.copy_in.wait_stream(torch.cuda.current_stream(self.mesh.device))
+        for i, g in enumerate(self.buckets):
+            if S == 1 or g.numel == 0:
+                continue  # nothing to gather; wait_unshard() casts/copies locally
+            start = now()
+            # What this rank sends: its shard, or under hpZ its block rows (S/k shards).
+            n = g.numel if kept is None else g.numel * (S // transport.size)
+            with _on(streams and streams.copy_in):  # [Note: streams]
+                out = self.pool.get(g.numel * S, g.dtype, self.mesh.device)
+                send = transport.gather_buffer(n, g.dtype, self.mesh.device, self.pool)
+                shard = send[:n]
+                with torch.no_grad():
+                    if kept is not None:
+                        rows = kept.rows[i]
+                        assert rows is not None
+                        if streams is not None:
+                            kept.hand_to(streams.copy_in, rows)
+                        shard.copy_(rows, non_blocking=True)
+                    else:
+                        # Casts to the compute dtype and, under offload, copies host -> device.
+                        torch._foreach_copy_([shard[off : off + p.chunk_numel] for p, off
+                                              in zip(g.gathered, g.offsets)],
+                                             [p.padded_shard.reshape(-1) for p in g.gathered],
+                                             non_blocking=True)
+            # all-to-all also replicates the shard into every peer's row.
+            self.copied["gather_in"] += (n * shard.element_size()
+                                         * (transport.size if transport.name == "all_to_all"
+                                            else 1))
+            if streams is not None:
+                streams.all_gather.wait_stream(streams.copy_in)
+                with _on(streams.all_gather):
+                    # Synchronous on NCCL means: the all-gather stream waits, not the host.
+                    work = transport.all_gather(out, send, n, False, label=self.label)
+                    done = record(streams.all_gather)
+                self._gathers.append(PendingGather(g, send, out, work, start, 0.0, done))
+                continue
+            with Span() as call:
+                work = transport.all_gather(out, send, n, async_op, label=self.label)
+            # A synchronous gather blocks inside the call: all of it is exposed.
+            self._gathers.append(PendingGather(g, send, out, work, start,
+                                               0.0 if async_op else call.seconds))
+        if self.ext_params:
+            self._ext_gather = self._gather_extensions(async_op, streams)
+        self.state = ShardedState.GATHERING
+
+    def _gather_extensions(self, async_op: bool, streams: Any) -> ExtGather:
+        """The extension parameters' pre hooks and their one packed all-gather
+        ([Note: all-gather extensions] in sharded_param.py)."""
+        start = now()
+        with _on(streams and streams.copy_in):  # the hooks run where the copy-in does
+            send, pg = pack(self, self.ext_params)
+        pg.start = start
+        numel, S = sum(pg.split), self.mesh.shard_size
+        self.copied["gather_in"] += (numel * send.element_size()
+                                     * (S if self.transport.name == "all_to_all" else 1))
+        if S == 1:
+            return pg  # the send row is the output: nothing to gather
+        if streams is not None:
+            streams.all_gather.wait_stream(streams.copy_in)
+            with _on(streams.all_gather):
+                pg.work = self.transport.all_gather(pg.out, send, numel, False,
+                                                    label=self.label)
+                pg.done = record(streams.all_gather)
+            return pg
+        with Span() as call:
+            pg.work = self.transport.all_gather(pg.out, send, numel, async_op, label=self.label)
+        pg.blocked = 0.0 if async_op else call.seconds
+        return pg
+
+    def _wait(self, pg: PendingGather | ExtGather) -> float:
+        """Wait for a gather (CUDA: the compute stream waits); the exposed seconds."""
+        if pg.done is not None:  # [Note: streams]
+            return ExposedWait(pg.done, bool(self.ctx and self.ctx.sinks)).seconds
+        with Span() as wait:
+            pg.work.wait()
+        return wait.seconds
+
+    def wait_unshard(self) -> None:
+        """Make the full parameters available on the modules (gathering first if needed)."""
+        if self.mesh.dp_size > 1:
+            # [Note: post-accumulate-grad hooks]: not on a direct parameter's local gradient.
+            for p in self.params:
+                if p.direct:
+                    p.hide_post_accumulate_hooks()
+        if self.state is ShardedState.UNSHARDED:
+            return
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False)
+        S = self.mesh.shard_size
+        with torch.no_grad():
+            for pg in self._gathers:
+                waited = self._wait(pg)
+                self.pool.release(pg.send)
+                rows = pg.out.view(S, pg.bucket.numel)
+                for p in pg.bucket.gathered:
+                    p.alloc_unsharded()
+                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
+                # views so the copy does not bump the autograd version counter that tensors
+                # saved in forward check in backward (they alias this storage).
+                dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
+                if all(d is not None for d in dsts):
+                    torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
+                else:
+                    # A parameter on another dim is copied into its own layout
+                    # ([Note: layout] in sharded_param.py), on this (compute) stream too.
+                    for p, part in zip(pg.bucket.gathered,
+                                       rows.split(pg.bucket.sizes, dim=1)):
+                        p.copy_out(part)
+                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
+                self.pool.release(pg.out)
+                self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
+                           pg.start, waited + pg.blocked)
+            if self._ext_gather is not None:
+                self._finish_extensions(self._ext_gather)
+            if S == 1:
+                for p in self.params:
+                    if not p.direct and p.ext is None:
+                        p.alloc_unsharded()
+                        p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
+        self._gathers.clear()
+        for p in self.params:
+            for ref in p.refs:
+                ref.module._parameters[ref.name] = p.unsharded
+        self._gathered_versions = [p.sharded._version for p in self.params]
+        self.state = ShardedState.UNSHARDED
+
+    def _finish_extensions(self, pg: ExtGather) -> None:
+        self._ext_gather = None
+        waited = self._wait(pg) if self.mesh.shard_size > 1 else 0.0
+        if pg.pooled:
+            self.pool.release(pg.send)
+        unpack(self, pg)
+        nbytes = pg.out.numel() * pg.out.element_size()
+        self.copied["gather_out"] += nbytes
+        if pg.pooled:
+            self.pool.release(pg.out)
+            self.emit("all_gather", "all_gather", nbytes, pg.start, waited + pg.blocked)
+
+    def kept_needs_value_check(self) -> bool:
+        """Still gathered at a forward's start: reshard now if a write to the shards is known
+        on the host; else whether the shards must be compared by value with the peers'
+        (`shards_changed_since_gather`, one small all-reduce in context.py).
+
+        Known on the host, and alike on every rank (each runs the same code on its
+        DTensor): an in-place write through the sharded Parameter (a for-loop optimizer, a
+        `no_grad` update, `load_state_dict`) bumps its version. Not compared: between the
+        micro-batches of an accumulation (gradients kept unreduced by no_sync, or an HSDP
+        all-reduce deferred), where an update would step from unreduced gradients, FSDP2's
+        recipe (`set_reshard_after_backward(False)` with `set_requires_gradient_sync(False)`)
+        then pays exactly FSDP2's collectives and no host sync.
+        """
+        if self.state is not ShardedState.UNSHARDED:
+            return False
+        if [p.sharded._version for p in self.params] != self._gathered_versions:
+            self.reshard()
+            return False
+        return not (self.unsynced or self.partial_reduce)
+
+    def shards_changed_since_gather(self) -> bool:
+        """Unsharded, and some shard was written since it was gathered: this rank's rows of
+        a gathered parameter are no longer its shard, cast as the gather cast it.
+
+        Compared by value, not by version counters: torch's fused optimizers and writes
+        through `.data` bump none. Only units still gathered at a forward's start pay it (a
+        forward that no backward followed, reshard_after_backward=False).
+        """
+        if self.state is not ShardedState.UNSHARDED:
+            return False
+        for p in self.params:
+            if p.ext is not None:
+                return True  # what its hooks gathered cannot be compared to the shard
+            if p.direct:
+                continue
+            mine = p.gathered_local_rows()
+            if not torch.equal(mine, p.local.to(device=mine.device, dtype=mine.dtype)):
+                return True
+        return False
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules see the shards again. In forward under
+        hpZ, this rank's block rows are kept for backward first ([Note: hpZ])."""
+        if self.state is ShardedState.SHARDED:
+            if self.training_state is not TrainingState.FORWARD:
+                self.post_forward = None  # backward is over (or never came)
+            return
+        if self.state is ShardedState.GATHERING:
+            # Collectives must complete on every rank before their buffers go back.
+            self.wait_unshard()
+        start = now()
+        if (self.hpz is not None and self.training_state is TrainingState.FORWARD
+                and torch.is_grad_enabled() and not self.ext_params):
+            self.post_forward = keep(self, self.hpz)
+        for p in self.params:
+            for ref in p.refs:
+                ref.module._parameters[ref.name] = p.sharded
+            p.free_unsharded()
+        self.state = ShardedState.SHARDED
+        self.emit("reshard", "", 0, start)
+
+    # ---- the reduce half: reduce_grads / finish_reduce, no_sync accumulation ----
+
+    def has_unreduced_grads(self) -> bool:
+        """Whether a gradient waits for a reduction (a pure question: nothing moves).
+
+        Under no_sync, decided alike on every rank: a backward ran for this unit (at the
+        same point everywhere, [Note: structure decides]) that kept its gradients. Whether
+        this rank holds any is its data's business (a parameter the micro-batches used on
+        some ranks only): the unit still reduces on all of them.
+        """
+        return self.unsynced or any(p.has_local_grad() for g in self.buckets
+                                    for p in g.grad_params)
+
+    def reduce_grads(self) -> Sequence[PendingReduce]:
+        """The unit's backward is over: reduce its gradients (async); the schedule reshards.
+
+        May run more than once per backward (a unit used by several forwards): each call
+        reduces what accumulated since the last one, and the results add up in the sharded
+        gradients. Inside no_sync() the gradients stay unsharded (upcast to the reduce
+        dtype, as they will be reduced in it) for a later backward to reduce.
+        """
+        if self.ctx is not None and self.ctx.sinks:
+            self.emit("backward", "", 0, self.t_compute)
+        # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
+        self.unsynced = not self.requires_grad_sync
+        if self.requires_grad_sync:
+            return self._reduce_grads()
+        self._accumulate_unsynced()
+        return ()
+
+    def _accumulate_unsynced(self) -> None:
+        for g in self.buckets:
+            rd = self.reduce_dtype_for[g.dtype]
+            for p in g.grad_params:
+                grad = None if p.direct else p.unsharded_grad()
+                if grad is None or grad.dtype == rd:
+                    continue  # accumulates in place already, in the right dtype
+                with torch.no_grad():
+                    if p.acc_grad is None:
+                        p.acc_grad = grad.to(rd)
+                    else:
+                        p.acc_grad.add_(grad)
+                p.unsharded.grad = None
+
+    def _reduce_grads(self) -> list[PendingReduce]:
+        with torch.no_grad():
+            pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
+        return [pr for pr in pending if pr is not None]
+
+    def settle(self) -> None:
+        """The end of backward: wait for the gradient copies to the host (CPU offload on a
+        GPU: the optimizer steps them on the host next), and settle the gradients this rank
+        had none for (UnsureGrads: one read of their counts, only when there are any)."""
+        for ev in self.offload_events:
+            ev.synchronize()
+        self.offload_events.clear()
+        self.unsure.settle()
+
+    def finish_reduce(self, pr: PendingReduce) -> None:
+        """Wait for a reduction and write the result into the sharded gradients."""
+        finish_reduce(self, pr)

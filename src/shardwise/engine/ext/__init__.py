@@ -3,5 +3,4 @@
 materialize.py      meta-device init: each rank allocates and initializes its shards
 grad_norm.py        clip_grad_norm_: the global norm, the same on every rank
 mixed_precision.py  ShardedGradScaler, precision_plan
-model_group.py      a model's ranks and first rank: model-level collectives over them
 """

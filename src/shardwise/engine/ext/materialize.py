@@ -19,9 +19,10 @@ from ..core.context import ModelGroup, sharded_params, units_of
 from ..core.policies import check_int, check_module
 from ..core.sharded_param import ShardedParam
 
-# -------------------- formerly ext/full_init.py --------------------
+# --------------------------------------------------------------------------------------------------
 # Run a model's initializers at full shape, one module at a time, keeping this rank's rows.
-## [Note: full-shape init] An initializer that runs on a rank's rows is not the unsharded
+#
+# [Note: full-shape init] An initializer that runs on a rank's rows is not the unsharded
 # model's initializer: xavier's fan_out is dim 0, the sharded one; orthogonal_ makes only
 # the rows orthogonal; a draw per shard rank matches no unsharded run. So `materialize`
 # calls each module's initializer (`init_fn(m)` or `m.reset_parameters()`, in
@@ -31,7 +32,8 @@ from ..core.sharded_param import ShardedParam
 # bit for bit where the random stream is the same (the CPU; on an accelerator, init_fn's
 # DTensor ops draw through DTensor's generator). At most one initializer's parameters are
 # full at once.
-## An initializer may also write parameters of its submodules (nn.MultiheadAttention's
+#
+# An initializer may also write parameters of its submodules (nn.MultiheadAttention's
 # `_reset_parameters` zeroes `out_proj.bias`). Those hold shard views meanwhile; a write to
 # one is seen by its version counter, and the initializer runs again from the same random
 # state with those parameters full too. A write through `.data` bumps no counter: it lands
@@ -211,7 +213,7 @@ def materialize(
     Each module's initializer runs in `model.modules()` order: `init_fn(module)` when
     given, else the module's own `reset_parameters()`. It runs while the module holds
     *full* tensors of its own parameters, the same on every rank; each rank keeps its rows
-    and frees them before the next module ([Note: full-shape init] in full_init.py), so at
+    and frees them before the next module ([Note: full-shape init] in materialize.py), so at
     most one initializer's parameters are ever full. So every initializer sees the full
     shape and keeps its meaning (xavier's fan_out, orthogonal_ over the whole matrix, a
     std from the full fan-out), and the model is the unsharded model initialized the same
@@ -230,7 +232,7 @@ def materialize(
     model runs on every rank) draws one and every rank of the model uses it (ranks seeded
     differently, as `torch.manual_seed(base + rank)` does, still start identical);
     buffers and ignored parameters take the first rank's values. Both go over the model's
-    ranks only ([Note: model ranks] in model_group.py): ranks outside a subgroup model may
+    ranks only ([Note: model ranks] in context.py): ranks outside a subgroup model may
     do anything meanwhile.
     peft LoRA layers re-run their own adapter init after the pass ([Note: LoRA init]): B
     starts at zero whatever `init_fn` did to it, so an adapted model starts as its base.

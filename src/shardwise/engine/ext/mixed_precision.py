@@ -48,7 +48,7 @@ class ShardedGradScaler:
     Each rank sees only its shards, so an inf/nan may show up on one rank only; the found-inf
     flag is all-reduced (max) so every rank skips the same steps and the scale stays in step.
     The all-reduce runs over the ranks of the model whose parameters the optimizer holds
-    ([Note: model ranks] in model_group.py): the world for a model on every rank (or an
+    ([Note: model ranks] in context.py): the world for a model on every rank (or an
     optimizer of plain parameters), the model's subgroup otherwise, so ranks that run another
     model (a pipeline's other stage) never join it.
     Methods follow torch.amp.GradScaler: scale(loss), unscale_(opt), step(opt), update().

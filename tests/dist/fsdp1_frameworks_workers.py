@@ -1,0 +1,187 @@
+"""Issue 44: the HF Trainer on Accelerate's FSDP1 path (`fsdp_config["version"] = 1`) and
+Lightning Fabric's `FSDPStrategy`, each on PyTorch's FSDP1 and through `sw.patched_fsdp1()`,
+in the same ranks.
+
+The Trainer runs as Accelerate runs it: `FullyShardedDataParallel(model, auto_wrap_policy=
+transformer_auto_wrap_policy for LlamaDecoderLayer, FULL_SHARD, device_id=cpu, ...)`, its
+`clip_grad_norm_`, and SHARDED_STATE_DICT checkpoints written with DCP (model and optimizer,
+`FSDP.optim_state_dict` / `optim_state_dict_to_load`), then a second Trainer resumes from
+the step-2 checkpoint. Accelerate picks FSDP on accelerators only; the worker lifts that one
+gate for both engines alike (hf_trainer_workers._fsdp_on_cpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+import shardwise as sw
+from tests.dist.hf_trainer_workers import _data, _fsdp_on_cpu
+from tests.hf_models import build
+
+STEPS = 3
+# Above the gradient norms (about 1.3): no clipping. On this CPU run the grad norm the Trainer
+# logs and clips with under FSDP1 is each rank's own shard norm (rank 0 1.014, rank 1 0.847
+# at step 1; shardwise 1.3215 on both, the square root of the sum of their squares), so
+# FSDP1's ranks would clip by different coefficients. The test checks that relation.
+MAX_NORM = 100.0
+
+
+@contextlib.contextmanager
+def _cpu_device_id() -> Any:
+    """Accelerate passes `device_id=torch.device("cpu", 0)` on CPU, which FSDP1 refuses as
+    inconsistent with its compute device `cpu`: hand either engine `cpu`. Accelerate (and
+    FSDP1's own auto wrapping) read the class from this module when they run."""
+    import torch.distributed.fsdp.fully_sharded_data_parallel as home
+
+    engine_cls = home.FullyShardedDataParallel  # FSDP1's, or shardwise's if patched
+
+    class OnCPU(engine_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+            if isinstance(device_id, torch.device) and device_id.type == "cpu":
+                device_id = torch.device("cpu")
+            super().__init__(*args, device_id=device_id, **kwargs)
+
+    home.FullyShardedDataParallel = OnCPU
+    try:
+        yield
+    finally:
+        home.FullyShardedDataParallel = engine_cls
+
+
+def _trainer(engine: str, folder: str, resume: str | None) -> dict[str, Any]:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=f"{folder}/{engine}", per_device_train_batch_size=2, max_steps=STEPS,
+        learning_rate=1e-2, max_grad_norm=MAX_NORM, seed=0, logging_steps=1, report_to=[],
+        save_strategy="steps", save_steps=2, dataloader_num_workers=0, use_cpu=True,
+        fsdp="full_shard",
+        fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                     "state_dict_type": "SHARDED_STATE_DICT", "use_orig_params": True,
+                     "sync_module_states": False, "cpu_ram_efficient_loading": False})
+    switch = sw.patched_fsdp1() if engine == "shardwise" else contextlib.nullcontext()
+    with _fsdp_on_cpu(), switch, _cpu_device_id():
+        torch.manual_seed(0)
+        trainer = Trainer(model=build("llama"), args=args, train_dataset=_data())
+        trainer.train(resume_from_checkpoint=resume)
+        model = trainer.model_wrapped
+        wrapper = type(model).__mro__[1].__module__  # under _cpu_device_id's subclass
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"logs": [(h["step"], h["loss"], h["grad_norm"])
+                     for h in trainer.state.log_history if "loss" in h],
+            "params": params, "wrapper": wrapper}
+
+
+def trainer_fsdp1(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """FSDP1 then shardwise: a 3-step run (saving at step 2), then a run resumed from each
+    engine's step-2 checkpoint. Per-step losses and grad norms, and the largest parameter
+    difference after each."""
+    out: dict[str, Any] = {}
+    runs = {}
+    for engine in ("fsdp1", "shardwise"):
+        first = _trainer(engine, folder, None)
+        resumed = _trainer(engine, folder, f"{folder}/{engine}/checkpoint-2")
+        runs[engine] = (first, resumed)
+    for i, what in enumerate(("train", "resume")):
+        a, b = runs["fsdp1"][i], runs["shardwise"][i]
+        assert a["params"].keys() == b["params"].keys()
+        out[what] = {
+            "fsdp1": a["logs"], "shardwise": b["logs"], "wrappers": (a["wrapper"], b["wrapper"]),
+            "params": max((a["params"][k] - b["params"][k]).abs().max().item()
+                          for k in a["params"])}
+    # A resumed run ends where the uninterrupted one does, on each engine.
+    for engine, (first, resumed) in runs.items():
+        out[f"{engine}: resume vs train"] = max(
+            (first["params"][k] - resumed["params"][k]).abs().max().item()
+            for k in first["params"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning Fabric's FSDPStrategy (FSDP1): setup, backward with no_backward_sync, its
+# clip_gradients (the wrapper's clip_grad_norm_), save/load with sharded and full state dicts.
+
+
+def _fabric_run(engine: str, folder: str, world: int) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from tests.dist.fsdp1_workers import D_IN, Block, Net, _batch
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Two gates for a CPU run, lifted for both engines alike: Fabric refuses
+        `FSDPStrategy` itself off GPUs (an exact-type check, which a subclass passes), and it
+        passes `device_id=None` on CPU, where FSDP1 needs `torch.device("cpu")`."""
+
+        def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+            import torch.distributed.fsdp as fsdp
+
+            engine_cls = fsdp.FullyShardedDataParallel  # FSDP1's, or shardwise's if patched
+
+            class OnCPU(engine_cls):  # type: ignore[misc, valid-type]
+                def __init__(self, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+                    super().__init__(*args, device_id=device_id or torch.device("cpu"),
+                                     **kwargs)
+
+            fsdp.FullyShardedDataParallel = OnCPU
+            try:
+                return super().setup_module(module)
+            finally:
+                fsdp.FullyShardedDataParallel = engine_cls
+
+    switch = sw.patched_fsdp1() if engine == "shardwise" else contextlib.nullcontext()
+    out: dict[str, Any] = {"loss": [], "norm": []}
+    with switch:
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=CPUFSDPStrategy(
+            auto_wrap_policy=ModuleWrapPolicy({Block}), state_dict_type="sharded"))
+        fabric.launch()  # ranks exist already (LOCAL_RANK is set): Fabric joins them
+        torch.manual_seed(0)
+        model = fabric.setup_module(Net())
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        rank = fabric.global_rank
+        for step in range(3):
+            for micro in range(2):
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    loss = model(_batch(rank, step, micro)).pow(2).mean() / 2
+                    fabric.backward(loss)
+                out["loss"].append(loss.item())
+            out["norm"].append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+            opt.step()
+            opt.zero_grad()
+        fabric.save(f"{folder}/{engine}-sharded", {"model": model, "optimizer": opt})
+        # Load into a fresh model and optimizer and take one more step.
+        torch.manual_seed(1)
+        model2 = fabric.setup_module(Net())
+        opt2 = fabric.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+        fabric.load(f"{folder}/{engine}-sharded", {"model": model2, "optimizer": opt2})
+        x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(7 + rank))
+        loss = model2(x).pow(2).mean()
+        fabric.backward(loss)
+        opt2.step()
+        out["loss"].append(loss.item())
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        with FSDP.state_dict_type(model2._forward_module, StateDictType.FULL_STATE_DICT):
+            out["params"] = {k: v.detach().clone()
+                             for k, v in model2._forward_module.state_dict().items()}
+        out["wrapper"] = type(model2._forward_module).__mro__[1].__module__
+    return out
+
+
+def fabric_fsdp1(rank: int, world: int, folder: str) -> dict[str, Any]:
+    a = _fabric_run("fsdp1", folder, world)
+    b = _fabric_run("shardwise", folder, world)
+    return {"loss": max(abs(x - y) for x, y in zip(a["loss"], b["loss"], strict=True)),
+            "norm": max(abs(x - y) for x, y in zip(a["norm"], b["norm"], strict=True)),
+            "params": max((a["params"][k] - b["params"][k]).abs().max().item()
+                          for k in a["params"]),
+            "wrappers": (a["wrapper"], b["wrapper"])}
