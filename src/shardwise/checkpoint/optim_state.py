@@ -2,9 +2,9 @@
 
 The optimizer only ever sees sharded parameters, so state shaped like its parameter (AdamW's
 `exp_avg`, `exp_avg_sq`; SGD's `momentum_buffer`) holds exactly the parameter's rows and is
-stored like it: `optim/<fqn>/<name>`, rows by owner. 0-d tensors and numbers (AdamW's
-`step`) are the same on every rank and go into the manifest's JSON, as do the param groups'
-hyperparameters. Loading builds a regular `optimizer.state_dict()` for the optimizer at
+stored like it: `optim/<fqn>/<name>`, rows by owner (a 0-d parameter's: a 0-d DTensor like
+it). Other 0-d tensors and numbers (AdamW's `step`) are the same on every rank and go into
+the manifest's JSON, as do the param groups' hyperparameters. Loading builds a regular `optimizer.state_dict()` for the optimizer at
 hand, so torch's own `load_state_dict` places and casts every value exactly as it would.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..engine.core.dtensor import wrap
+from ..engine.core.dtensor import is_dtensor, wrap
 from ..engine.core.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
@@ -62,7 +62,10 @@ def collect(optimizer: torch.optim.Optimizer, view: ModelView
             sp = view.params[id(p)][1]
             desc: dict[str, Any] = {"tensors": [], "scalars": {}}
             for name, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+                # Shaped like the parameter: rows; a 0-d one only as a DTensor like it
+                # (a plain 0-d parameter's state is replicated: stored by value below).
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and (
+                        v.dim() > 0 or (is_dtensor(v) and is_dtensor(p))):
                     sname = optim_name(fqn, name)
                     slots.append(sharded_slot(sname, sp, v) if sp is not None
                                  else full_slot(sname, v, view.writes_full))

@@ -296,6 +296,11 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
     def put(d: torch.Tensor, src: torch.Tensor) -> None:
         torch.mul(src, scale, out=d) if scale is not None else d.copy_(src)
 
+    if p.scalar:
+        # Every rank's row: each is handed the whole reduced gradient ([Note: 0-d parameters]).
+        put(dst, flat.view(1, 1).expand(dst.shape))
+        return
+
     full_ranks = p.dim0 // p.chunk_rows
     if full_ranks:
         put(dst[:full_ranks], flat[: full_ranks * chunk].view(full_ranks, chunk))
