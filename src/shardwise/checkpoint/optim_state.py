@@ -4,8 +4,9 @@ The optimizer only ever sees sharded parameters, so state shaped like its parame
 `exp_avg`, `exp_avg_sq`; SGD's `momentum_buffer`) holds exactly the parameter's rows and is
 stored like it: `optim/<fqn>/<name>`, rows by owner (a 0-d parameter's: a 0-d DTensor like
 it). Other 0-d tensors and numbers (AdamW's `step`) are the same on every rank and go into
-the manifest's JSON, as do the param groups' hyperparameters. Loading builds a regular `optimizer.state_dict()` for the optimizer at
-hand, so torch's own `load_state_dict` places and casts every value exactly as it would.
+the manifest's JSON, as do the param groups' hyperparameters. Loading builds a regular
+`optimizer.state_dict()` for the optimizer at hand, so torch's own `load_state_dict` places
+and casts every value exactly as it would.
 """
 
 from __future__ import annotations
