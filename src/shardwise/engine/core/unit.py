@@ -952,6 +952,11 @@ class Unit:
         layout is rebuilt when any flag changed, so a frozen parameter gets no gradient, no
         reduction and no optimizer update, and an unfrozen one trains.
         """
+        # A step starts here (the root's forward, after a backward that missed its final
+        # callback was finished): what a backward that raised left of its unused-gradient
+        # counts belongs to no step, and added to the next one's kept a gradient no rank
+        # computed ([Note: unused gradients], UnsureGrads). reset_iter_state leaves them.
+        self.unsure.clear()
         changed = False
         for p in self.params:
             held = p.refs[0].module._parameters.get(p.refs[0].name)
