@@ -174,8 +174,8 @@ def _continue(model: nn.Module, opt: torch.optim.Optimizer, ref: nn.Module,
             "exp_avg shape": _shape(opt.state[gate]["exp_avg"])}
 
 
-def ckpt_save(rank: int, world: int, path: str) -> None:
-    model = _model("FULL_SHARD")
+def ckpt_save(rank: int, world: int, path: str, strategy: str) -> None:
+    model = _model(strategy)
     opt = _opt(model)
     for step in range(2):
         _step(model, opt, step, world, rank, "torch")
