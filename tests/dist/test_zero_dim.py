@@ -45,6 +45,17 @@ def test_adamw_with_clipping_equals_unsharded(world: int, strategy: str, clip: s
     assert min(results[0]["ref_norms"]) > W.MAX_NORM
 
 
+def test_adamw_with_clipping_equals_unsharded_hybrid_2x2() -> None:
+    """HYBRID_SHARD 2 x 2: the face is Replicate on both mesh dims; the norm counts the
+    gate once (shard rank 0 of each replica, never summed across replicas)."""
+    results = run_distributed(W.train, 4, "HYBRID_SHARD", "torch",
+                              env={"LOCAL_WORLD_SIZE": "2"})
+    for res in results:
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5), res
+        assert max(res["diffs"]) < TOL, res
+        assert W.bits(res["gates"]) == W.bits(results[0]["gates"]), "copies differ"
+
+
 def test_dcp_save_at_2_load_at_3_equals_unsharded(tmp_path: Path) -> None:
     path = str(tmp_path / "dcp")
     saved = run_distributed(W.dcp_save, 2, path)

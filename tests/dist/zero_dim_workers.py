@@ -121,7 +121,7 @@ def train(rank: int, world: int, strategy: str, clip: str, steps: int = 4) -> di
         diffs.append(_diff(sw.full_state_dict(model), ref))
     gate = dict(model.named_parameters())["blocks.0.gate"]
     return {"norms": norms, "ref_norms": ref_norms, "diffs": diffs, "gates": _gates(model),
-            "ref_gates": [float(b.gate) for b in ref.blocks],
+            "ref_gates": [float(b.gate.detach()) for b in ref.blocks],
             "exp_avg": float(local_of(opt.state[gate]["exp_avg"])),
             "ref_exp_avg": float(ref_opt.state[ref.blocks[0].gate]["exp_avg"])}
 
