@@ -149,3 +149,86 @@ def run_all(rank: int, world: int, case: str, impls: list[str]) -> dict[str, Any
     if case == "extension_patched":
         out["unsharded"] = {"params": unsharded_reference(rank, world)}
     return out
+
+
+# --- unused-gradient counts after a backward that raised ----------------------------------
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.extra = torch.nn.Parameter(torch.ones(4))  # used where `use_extra` says
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + self.extra if self.use_extra else y
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.fail:
+            raise RuntimeError("backward failed on purpose")
+        return g, None
+
+
+class _Stack(torch.nn.Module):
+    """Three layer units; the input's own backward (after every unit's) may raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _RaiseInBackward.apply(x, self.fail)
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def stale_unused_counts(rank: int, world: int, recover: str) -> dict[str, Any]:
+    """Step 1 raises in backward after the last layer's reduction finished (3 pending > 2),
+    where rank 0 alone used `layers.2.extra` (its count is kept for the end of backward,
+    which never comes); `recover` ("reset_iter_state" or "none") then step 2 uses it on no
+    rank: its gradient must be None, as unsharded, and the others equal unsharded's."""
+    torch.manual_seed(0)
+    model = _Stack()
+    ref = copy.deepcopy(model)
+    for layer in model.layers:
+        sw.fully_shard(layer)
+    sw.fully_shard(model)
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(1))
+    mine = x[2 * rank: 2 * rank + 2].clone().requires_grad_()
+    model.fail = True
+    model.layers[2].use_extra = rank == 0
+    raised = False
+    try:
+        model(mine).backward()
+    except RuntimeError:
+        raised = True
+    if recover == "reset_iter_state":
+        model.reset_iter_state()
+    model.zero_grad(set_to_none=True)
+    model.fail = False
+    model.layers[2].use_extra = False
+    model(x[2 * rank: 2 * rank + 2].clone().requires_grad_()).backward()
+    (ref(x.clone().requires_grad_()) / world).backward()
+    extra = model.layers[2].extra.grad
+    ref_params = dict(ref.named_parameters())
+    diff = 0.0
+    for n, p in model.named_parameters():
+        want = ref_params[n].grad
+        if (p.grad is None) != (want is None):
+            diff = float("inf")  # a gradient where unsharded has none, or the reverse
+        elif want is not None:
+            diff = max(diff, float((torch.tensor(_full(p.grad)) - want).abs().max()))
+    return {"raised": raised, "extra grad": None if extra is None else _full(extra),
+            "diff": diff}

@@ -6,6 +6,7 @@ import copy
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.engine.core.dtensor import local_of
@@ -199,11 +200,14 @@ def holdings(rank: int, world: int) -> dict[str, int]:
     loss_fn("lm", model(x), y).backward()
     opt.step()
     # Sharded parameters, their gradients and optimizer state are DTensors: count the rows
-    # this rank holds.
-    local = sum(local_of(p).numel() for p in model.parameters())
-    grads = sum(local_of(p.grad).numel() for p in model.parameters() if p.grad is not None)
-    trainable = sum(local_of(p).numel() for p in model.parameters() if p.requires_grad)
-    state = sum(local_of(v).numel() for s in opt.state.values() for v in s.values()
-                if v.dim() > 0)
+    # this rank owns (a 0-d parameter's replicated value, and its state, on rank 0 only).
+    def owned(t: torch.Tensor) -> int:
+        return 0 if t.dim() == 0 and rank > 0 else local_of(t).numel()
+
+    local = sum(owned(p) for p in model.parameters())
+    grads = sum(owned(p.grad) for p in model.parameters() if p.grad is not None)
+    trainable = sum(owned(p) for p in model.parameters() if p.requires_grad)
+    state = sum(owned(v) for s in opt.state.values() for v in s.values()
+                if v.dim() > 0 or isinstance(v, DTensor))  # not Adam's 0-d `step`
     return {"total": total, "local": local, "trainable": trainable, "grads": grads,
             "state": state}

@@ -6,8 +6,9 @@
   `set_model_state_dict` now end as nn.Module does; `sw.load_pretrained` refuses (from its
   side `from_pretrained` unties such keys, which a model sharded tied cannot).
 - A 0-d parameter through `set_model_state_dict(full_state_dict=True)`: torch hands 0-d
-  values over as they are, and the sharded face has shape (1,): a size mismatch on every
-  rank. The load now takes them, broadcast from rank 0 or not, into a meta model too.
+  values over as they are, and the sharded face had shape (1,): a size mismatch on every
+  rank. The load now takes them, broadcast from rank 0 or not, into a meta model too (the
+  face is now a `Replicate()` DTensor of shape (), issue 41).
 - A 0-d parameter under dp x tp kept a plain face ((1,) on one dp rank, (0,) on the other),
   which torch's tools read as the whole value: `get_model_state_dict(full_state_dict=True)`
   and `dcp.save` lost it on some ranks.
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import shardwise as sw
 from tests.dist import tp_workers as TPW
@@ -189,7 +190,8 @@ def zero_dim_tp_full(rank: int, world: int) -> dict[str, float]:
     ref = gated_lm()
     before = _diff(get_model_state_dict(model, options=FULL), ref.state_dict())
     gate = model.blocks[0].gate
-    assert isinstance(gate, DTensor) and tuple(gate.shape) == (1,), (type(gate), gate.shape)
+    assert isinstance(gate, DTensor) and tuple(gate.shape) == (), (type(gate), gate.shape)
+    assert all(isinstance(pl, Replicate) for pl in gate.placements), gate.placements
     TPW.train_both(model, ref, mesh, 2, "gated dp 2 x tp 2")
     return {"before": before,
             "after": _diff(get_model_state_dict(model, options=FULL), ref.state_dict())}

@@ -5,7 +5,8 @@ plain tensor of shape (1,) there and (0,) on the other ranks, so PyTorch's tools
 read a plain tensor as the whole (replicated) value, got it wrong with no error:
 `get_model_state_dict(full_state_dict=True)` gave an empty tensor on every rank but 0, and
 `dcp.save` stored the parameter empty (rank 1's copy), which only failed at load. The face
-is now a DTensor of global shape (1,): the value once, where it lives.
+became a DTensor of global shape (1,), and then (issue 41) a `Replicate()` DTensor of shape
+(): every rank holds the value, and torch's tools see the shape the module declared.
 """
 
 from __future__ import annotations

@@ -48,3 +48,26 @@ def test_extension_hooks_patched_after_the_first_step_are_used(world: int) -> No
         # Steps 2 and 3: the four block weights, gathered in forward and again in backward.
         assert ours["pre"] == ours["post"] == 2 * 4 * 2, ours
         assert _close(ours["params"], got["unsharded"]["params"]) < TOL
+
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unused_gradient_counts_of_a_failed_backward_are_dropped(world: int) -> None:
+    """A backward that raised left its unused-gradient records (count tensors kept for the
+    end of backward), and `reset_iter_state` kept them: the next step added them to its
+    own counts, so a parameter no rank used kept a zero gradient instead of None."""
+    for got in run_distributed(W.stale_unused_counts, world, "reset_iter_state"):
+        assert got["raised"], got
+        assert got["extra grad"] is None, got
+        assert got["diff"] < TOL, got
+
+
+@pytest.mark.xfail(strict=True, reason="core/context.py: begin_forward finishes a failed "
+                   "backward's pending reductions and writes their gradients after the "
+                   "user's zero_grad (not this branch's file; reported)")
+def test_a_failed_backward_leaves_no_gradient_in_the_next_step() -> None:
+    """Without reset_iter_state, the next forward finishes the failed backward's pending
+    reductions: their gradients land in `.grad` after the user's zero_grad."""
+    for got in run_distributed(W.stale_unused_counts, 2, "none"):
+        assert got["extra grad"] is None, got
+        assert got["diff"] < TOL, got

@@ -12,12 +12,12 @@ from tests.dist import review_state_workers as W
 
 def test_zero_dim_param_full_state_dict_holds_the_value_on_every_rank() -> None:
     for res in run_distributed(W.zero_dim_full_state_dict, 2):
-        assert res["shape"] == [1] and res["values"] == [pytest.approx(res["ref"])], res
+        assert res["shape"] == [] and res["values"] == [pytest.approx(res["ref"])], res
 
 
 def test_zero_dim_param_dcp_keeps_the_value_across_world_sizes(tmp_path: Path) -> None:
     path = str(tmp_path / "dcp")
     res = run_distributed(W.zero_dim_dcp_save, 2, path)
-    assert res[0]["saved_shape"] == [1], res
+    assert res[0]["saved_shape"] == [], res
     for gate in run_distributed(W.zero_dim_dcp_load, 3, path):
         assert gate == pytest.approx(0.25), gate

@@ -61,10 +61,12 @@ def test_padding_and_worst_rank() -> None:
     assert all(p.per_rank.params_bytes == padded for p in plans)
     opt = [p.per_rank.optimizer_bytes for p in plans]
     assert opt[0] == max(opt) and opt[-1] < opt[0]
-    # Every valid element is owned by exactly one rank: state sums to the model's.
+    # Every valid element is owned by exactly one rank: state sums to the model's, plus the
+    # copies of each 0-d parameter's state the other ranks hold ([Note: 0-d parameters]).
     counters = 4 * sum(1 for p in params if p.requires_grad)
     trainable = sum(p.numel() for p in params if p.requires_grad)
-    assert sum(o - counters for o in opt) == 2 * 4 * trainable
+    copies = (S - 1) * sum(1 for p in params if p.requires_grad and p.dim() == 0)
+    assert sum(o - counters for o in opt) == 2 * 4 * (trainable + copies)
 
 
 def test_units_and_params_match_a_hand_count() -> None:

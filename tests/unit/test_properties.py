@@ -28,7 +28,7 @@ from shardwise.testing import run_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 shapes = st.one_of(
-    st.just(()),  # 0-d: sharded as shape (1,)
+    st.just(()),  # 0-d: one row that every rank holds ([Note: 0-d parameters])
     st.tuples(st.integers(0, 40)),
     st.tuples(st.integers(0, 20), st.integers(1, 5)),
     st.tuples(st.integers(0, 9), st.integers(1, 3), st.integers(1, 3)),
@@ -63,17 +63,24 @@ def test_shard_then_gather_is_the_identity(shape: tuple[int, ...], world: int,
     assert {sp.padded_shard.shape for sp in sps} == {(chunk, *rows.shape[1:])}
     assert all(sp.padded_shard.dtype == dtype for sp in sps)
     # Rows owned are torch.chunk's chunks, then empty shards for the ranks it leaves out.
+    # A 0-d parameter: every rank holds its one row (owned by shard rank 0 alone).
     chunks = torch.chunk(rows, world) if dim0 else ()
+    if full.dim() == 0:
+        chunks = (rows,) * world
     for r, sp in enumerate(sps):
         want = chunks[r] if r < len(chunks) else rows[:0]
         assert torch.equal(sp.local, want)
         assert torch.equal(sp.local_slice(full), want)
         # Padding rows are zero (the data has none).
         assert not sp.padded_shard[sp.local_rows:].any()
-    assert sum(sp.local_rows for sp in sps) == dim0
+        assert sp.owns_rows == (full.dim() > 0 or r == 0)
+        assert tuple(sp.sharded.shape) == (tuple(full.shape) if full.dim() == 0
+                                           else tuple(want.shape))
+    assert sum(sp.local_rows for sp in sps if sp.owns_rows) == dim0
     # Gather, as the all-gather does, into rank 0's unsharded buffer: the original again.
     gathered = torch.cat([sp.padded_shard for sp in sps])
-    assert not gathered[dim0:].any() and gathered.shape[0] - dim0 < world
+    assert full.dim() == 0 or not gathered[dim0:].any()
+    assert gathered.shape[0] - dim0 < world
     assert torch.equal(gathered[:dim0].reshape(full.shape), full)
     sp0 = sps[0]
     sp0.alloc_unsharded()
@@ -185,7 +192,7 @@ def no_padding_leaks(rank: int, world: int, shapes: list[tuple[int, ...]], root:
     return {
         "norm": float(norm), "want": float(want),
         "chunk_rows": [sp.padded_shard.shape[0] for sp in sps],
-        "local_rows": [sp.local_rows for sp in sps],
+        "local_rows": [sp.local_rows if sp.owns_rows else 0 for sp in sps],
         "shard_dim": [sp.shard_dim for sp in sps],
         # numpy, not tensors: see tests/dist/ckpt_workers.py
         "before": {k: v.numpy() for k, v in sd_before.items()},

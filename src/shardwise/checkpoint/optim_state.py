@@ -2,10 +2,11 @@
 
 The optimizer only ever sees sharded parameters, so state shaped like its parameter (AdamW's
 `exp_avg`, `exp_avg_sq`; SGD's `momentum_buffer`) holds exactly the parameter's rows and is
-stored like it: `optim/<fqn>/<name>`, rows by owner. 0-d tensors and numbers (AdamW's
-`step`) are the same on every rank and go into the manifest's JSON, as do the param groups'
-hyperparameters. Loading builds a regular `optimizer.state_dict()` for the optimizer at
-hand, so torch's own `load_state_dict` places and casts every value exactly as it would.
+stored like it: `optim/<fqn>/<name>`, rows by owner (a 0-d parameter's too: `_shaped_like`).
+Other 0-d tensors and numbers (AdamW's `step`) are the same on every rank and go into
+the manifest's JSON, as do the param groups' hyperparameters. Loading builds a regular
+`optimizer.state_dict()` for the optimizer at hand, so torch's own `load_state_dict` places
+and casts every value exactly as it would.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..engine.core.dtensor import wrap
+from ..engine.core.dtensor import is_dtensor, wrap
 from ..engine.core.sharded_param import ShardedParam
 from .manifest import CheckpointError, Manifest, optim_name
 from .safetensors_io import dtype_from_name, dtype_name
@@ -47,6 +48,22 @@ def _hyper_json(key: str, value: Any, group: int) -> Any:
     return value
 
 
+def _shaped_like(name: str, v: Any, p: torch.Tensor, sp: ShardedParam | None) -> bool:
+    """Whether optimizer state `v` is shaped like its parameter `p` (stored as rows).
+
+    A 0-d parameter's state shaped like it is 0-d too, as is a step counter: on a DTensor
+    face, what is a DTensor like it (exp_avg; torch's `step` stays plain); on a plain one
+    (NO_SHARD), all but `step` ([Note: 0-d parameters] in engine/core/sharded_param.py).
+    """
+    if not isinstance(v, torch.Tensor) or v.shape != p.shape:
+        return False
+    if v.dim() > 0:
+        return True
+    if is_dtensor(p):
+        return is_dtensor(v)
+    return sp is not None and name != "step"
+
+
 def collect(optimizer: torch.optim.Optimizer, view: ModelView
             ) -> tuple[dict[str, Any], list[Slot], dict[str, dict[str, Any]]]:
     """(JSON of the param groups, this rank's state slots, per-FQN state description).
@@ -62,7 +79,7 @@ def collect(optimizer: torch.optim.Optimizer, view: ModelView
             sp = view.params[id(p)][1]
             desc: dict[str, Any] = {"tensors": [], "scalars": {}}
             for name, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+                if _shaped_like(name, v, p, sp):
                     sname = optim_name(fqn, name)
                     slots.append(sharded_slot(sname, sp, v) if sp is not None
                                  else full_slot(sname, v, view.writes_full))

@@ -54,14 +54,15 @@ def sharded_slot(name: str, sp: ShardedParam, local: torch.Tensor) -> Slot:
     or plain): this rank's shard of a tensor shaped like sp, stored as sp's rows."""
     rows = sp.to_rows(local_of(local.detach())).contiguous()  # a view back to rows: no copy
     start, end = stored_rows(sp)
+    # A 0-d parameter's row is every rank's: shard rank 0 writes it ([Note: 0-d parameters]).
+    writes = writes_shards(sp) and sp.owns_rows
     if sp.tp is None:
-        return Slot(name, tuple(sp.orig_shape), rows.dtype, start, end, writes_shards(sp), rows,
+        return Slot(name, tuple(sp.orig_shape), rows.dtype, start, end, writes, rows,
                     sp.shard_dim)
     # TP ([Note: FSDP x TP]): stored as global rows; a rowwise weight's columns are joined
     # across tp (a collective over tp, in the same order on every rank) and TP rank 0 writes.
     rows = sp.tp.checkpoint_local(rows)
-    return Slot(name, sp.global_shape, rows.dtype, start, end,
-                writes_shards(sp) and sp.tp.writes(), rows)
+    return Slot(name, sp.global_shape, rows.dtype, start, end, writes and sp.tp.writes(), rows)
 
 
 def stored_rows(sp: ShardedParam) -> tuple[int, int]:

@@ -139,11 +139,12 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     direct_all = True
     indirect: set[torch.dtype] = set()  # compute dtypes with a grad param that is not direct
     for p in unit.spec.params:
-        dims = p.shape if p.shape else (1,)  # a 0-d parameter is sharded as shape (1,)
+        dims = p.shape if p.shape else (1,)  # a 0-d parameter is one row
         d = balanced_shard_dim(dims, S) if balance else 0
         dim0, row = dims[d], math.prod(n for i, n in enumerate(dims) if i != d)
         C = -(-dim0 // S)
-        local = (min((r + 1) * C, dim0) - min(r * C, dim0)) * row
+        # Rows this rank holds (a 0-d parameter: its one row on every rank, as ShardedParam).
+        local = row if not p.shape else (min((r + 1) * C, dim0) - min(r * C, dim0)) * row
         if p.fqn in quantized and nf4 is not None:
             # dim 0 and even ([Note: NF4 by rows]): C rows of this rank's, no padding. The
             # shard is the NF4 tensor's inner tensors; its all-gather moves codes, scalers

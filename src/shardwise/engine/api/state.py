@@ -112,19 +112,18 @@ def _pre_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> N
 
 
 def _zero_dim_value(sp: ShardedParam, state_dict: dict, key: str) -> None:
-    """A 0-d parameter's plain full value as its DTensor face: this rank's row of it.
+    """A 0-d parameter's plain value as its replicated DTensor face.
 
-    The face of a 0-d parameter has global shape (1,) ([Note: DTensor parameters]), and
     torch's `set_model_state_dict(full_state_dict=True)` hands 0-d values over as they are
-    (it distributes only tensors of one dim or more), so load_state_dict refused them as a
-    size mismatch. The unsharded module takes a 0-d value here; so does the sharded one.
+    (it distributes only tensors of one dim or more); the face is a `Replicate()` DTensor
+    of shape () ([Note: 0-d parameters] in sharded_param.py), and every rank takes the
+    value it was given, as the unsharded module does.
     """
     value = state_dict.get(key)
-    if (sp.spec is None or sp.orig_shape != torch.Size([]) or not isinstance(value, torch.Tensor)
+    if (sp.spec is None or not sp.scalar or not isinstance(value, torch.Tensor)
             or DT.is_dtensor(value) or value.dim() != 0):
         return
-    rows = value.detach().reshape(1)[sp.row_start: sp.row_end]
-    state_dict[key] = DT.wrap(rows.to(sp.local.device, sp.local.dtype), sp.spec)
+    state_dict[key] = DT.wrap(value.detach().to(sp.local.device, sp.local.dtype), sp.spec)
 
 
 def _post_load(module: nn.Module, incompatible: Any) -> None:

@@ -11,13 +11,10 @@ norm) works on the plain local tensors and never dispatches through DTensor.
 
 Kept plain, deliberately (the tensor *is* the whole parameter on every rank, so torch's tools
 already give the unsharded answer on it): parameters of a shard group of one rank (NO_SHARD,
-a one-rank world). A 0-d parameter (FSDP2 refuses them) is one row held by shard rank 0
-([Note: layout]), and a scalar cannot be `Shard(0)`: its face is a `Shard(0)` DTensor of
-global shape (1,) (under TP, on the (dp, tp) mesh), so torch's tools (state dicts, DCP,
-`clip_grad_norm_`) see its value once, where it lives; a plain 0-d value loaded into it
-becomes this rank's row (state.py). A plain face there made them read the other ranks'
-empty rows as copies of the parameter (DCP stored it empty). `sw.full_state_dict` and
-shardwise's own checkpoints give it back with shape ().
+a one-rank world). A 0-d parameter (FSDP2 refuses them) cannot be `Shard(0)`: every rank
+holds its value ([Note: 0-d parameters] in sharded_param.py), and its face is a DTensor of
+global shape () placed `Replicate()` on every dim of the mesh (under TP, the (dp, tp) mesh),
+so torch's tools (state dicts, DCP, `clip_grad_norm_`) see shape () and count it once.
 """
 
 from __future__ import annotations
@@ -55,6 +52,12 @@ def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple[Placement, ...]:
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
+def replicated(mesh: DeviceMesh, dtype: torch.dtype) -> DTensorSpec:
+    """A 0-d parameter's spec: shape (), `Replicate()` on every dim of `mesh`."""
+    meta = TensorMeta(torch.Size(()), (), dtype)
+    return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -66,6 +69,8 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 def spec_for(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype,
              dim: int = 0) -> DTensorSpec:
     """The sharding spec of a parameter of global `shape` sharded on `dim` over `mesh`."""
+    if len(shape) == 0:
+        return replicated(mesh, dtype)
     meta = TensorMeta(shape, contiguous_stride(shape), dtype)
     return DTensorSpec(mesh, placements_for(mesh, dim), tensor_meta=meta)
 
@@ -273,7 +278,11 @@ class TPParam:
 
     def sharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
         """The sharded parameter's spec on the (dp, tp) mesh, global shape."""
-        shape = self.global_shape or (1,)  # a 0-d parameter is one row ([Note: layout])
+        if not self.global_shape:  # [Note: 0-d parameters] in sharded_param.py
+            mesh = self.face_spec.mesh if self.ctx.spmd is not None and self.face_spec \
+                else self.ctx.spmd_mesh
+            return replicated(mesh, dtype)
+        shape = self.global_shape
         meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype)
         if self.ctx.spmd is not None:
             assert self.face_spec is not None, "dp_mesh_dims parameters are DTensors"

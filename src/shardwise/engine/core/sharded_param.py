@@ -8,11 +8,24 @@ its materialization (meta -> real, written from a full tensor).
 C = ceil(D0 / S) (S = shard-group size) and chunked `torch.chunk`-style: shard-group rank r
 owns rows [r*C, min((r+1)*C, D0)). The *sharded* parameter the optimizer sees is exactly
 those valid rows (possibly zero of them); it is a view into a padded (C, *rest) buffer so the
-all-gather can send fixed-size chunks without copying padding around. A 0-d parameter is
-treated as shape (1,). The *unsharded* parameter is a view of the first D0 rows of a padded
-(S*C, *rest) buffer whose storage exists only while the unit is unsharded. On the module,
-the sharded parameter is a DTensor whose local tensor is `local` (dtensor.py
-[Note: DTensor parameters]).
+all-gather can send fixed-size chunks without copying padding around. The *unsharded*
+parameter is a view of the first D0 rows of a padded (S*C, *rest) buffer whose storage
+exists only while the unit is unsharded. On the module, the sharded parameter is a DTensor
+whose local tensor is `local` (dtensor.py [Note: DTensor parameters]).
+
+[Note: 0-d parameters] A 0-d parameter (FSDP2 refuses them) is one row of one element that
+every rank of the shard group holds: `local` is that row on every rank, and the face is a
+DTensor of global shape () placed `Replicate()` on every mesh dim (a plain 0-d tensor
+without a mesh), so `parameters()`, `state_dict()`, DCP and the optimizer see shape ().
+The rows machinery is unchanged: C = 1, each rank sends its copy to the all-gather and the
+unsharded parameter is row 0 (shard rank 0's copy). Its gradient is packed into every
+rank's row of the reduce buffer (`Unit`'s `pack_grad`), so the reduce-scatter hands each
+rank the whole reduced gradient (no extra collective) and the optimizer steps every copy
+alike. Readers that count rows across ranks (checkpoints, the gradient norm) take the row
+from shard rank 0 only (`owns_rows`). The copies agree bit for bit where the reduction sums
+each rank's chunk in the same order (2 ranks; gloo's all-to-all transport); a reduction that
+orders the sum per chunk (NCCL's ring at 3 or more ranks) may leave them one rounding apart,
+and every gather computes with shard rank 0's, which checkpoints store.
 
 A parameter sharded on another dim d ([Note: balanced shards] in layout.py, or FSDP2's
 `shard_placement_fn`) is the same machinery on `movedim(d, 0)`: *rows* are its slices along
@@ -237,21 +250,16 @@ class ShardedParam:
         # Page-locked host shards (CPU offload to a GPU): host<->device copies run async.
         self.pin_memory = pin_memory and self.host_device.type == "cpu" and device.type == "cuda"
 
+        # A 0-d parameter: one row that every rank holds, a replicated face
+        # ([Note: 0-d parameters]).
+        self.scalar = param.dim() == 0
         # How the module presents the shard ([Note: DTensor parameters]); None: plain.
-        # A 0-d parameter is one row held by shard rank 0 ([Note: layout]); its face is that
-        # row as a DTensor of global shape (1,), so torch's tools see the value once, on
-        # the rank that has it (plain, the other ranks' empty rows read as copies of it:
-        # DCP saved the parameter empty).
         # The dim whose slices are this parameter's rows (0 for a 0-d parameter).
         self.shard_dim = shard_dim % param.dim() if param.dim() > 0 else 0
-        self.spec = (DT.spec_for(device_mesh, self.orig_shape if param.dim() > 0
-                                 else torch.Size([1]), self.orig_dtype, self.shard_dim)
-                     if device_mesh is not None and (param.dim() > 0 or self.tp is None)
-                     else None)
+        self.spec = (DT.spec_for(device_mesh, self.orig_shape, self.orig_dtype, self.shard_dim)
+                     if device_mesh is not None else None)
         if self.tp is not None:
-            # On the (dp, tp) mesh; a 0-d parameter as (1,) here too (a plain face under TP
-            # read as whole on every rank: the empty rows were taken for the value).
-            self.spec = self.tp.sharded_spec(self.orig_dtype)
+            self.spec = self.tp.sharded_spec(self.orig_dtype)  # on the (dp, tp) mesh
 
         shape2d = tuple(self.orig_shape) if param.dim() > 0 else (1,)
         shape2d = (shape2d[self.shard_dim], *(n for i, n in enumerate(shape2d)
@@ -260,8 +268,8 @@ class ShardedParam:
         self.rest = shape2d[1:]
         self.row_numel = math.prod(self.rest)
         self.chunk_rows = -(-self.dim0 // shard_size)  # ceil
-        self.row_start = min(shard_rank * self.chunk_rows, self.dim0)
-        self.row_end = min((shard_rank + 1) * self.chunk_rows, self.dim0)
+        self.row_start = 0 if self.scalar else min(shard_rank * self.chunk_rows, self.dim0)
+        self.row_end = 1 if self.scalar else min((shard_rank + 1) * self.chunk_rows, self.dim0)
         # Elements of one padded shard: what each rank contributes to an all-gather.
         self.chunk_numel = self.chunk_rows * self.row_numel
         # A tensor subclass with FSDP2's all-gather hooks (NF4, float8 weights): its shard
@@ -313,14 +321,14 @@ class ShardedParam:
         face = face if self.spec is None else DT.wrap(face, self.spec)
         self.sharded = nn.Parameter(face, requires_grad=self.requires_grad)
         self.sharded._sw_param = self  # type: ignore[attr-defined]
-        if self.spec is not None and self.shard_dim == 0:
+        if self.spec is not None and self.shard_dim == 0 and not self.scalar:
             # The very tensor object inside the DTensor (nn.Parameter detached a new alias
             # of the same storage): FSDP2's recipe patches its hooks onto that object.
             self.local = DT.local_of(self.sharded)
         # Direct: one rank holds everything in the compute dtype on the compute device, so
         # the sharded parameter *is* the unsharded one (NO_SHARD without casts). Not for a
-        # 0-d parameter: its shard is shaped (1,), and forward must see shape () (a copy of
-        # one element per step is the price).
+        # 0-d parameter: its gathered row is the unsharded parameter (a copy of one
+        # element per step is the price of keeping one code path).
         self.direct = (
             self.shard_size == 1
             and self.compute_dtype == self.orig_dtype
@@ -358,11 +366,17 @@ class ShardedParam:
 
     def to_rows(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor in the face's layout (this rank's shard, or a full tensor) as rows."""
-        return to_rows(t, self.shard_dim)
+        return t.reshape(1) if t.dim() == 0 else to_rows(t, self.shard_dim)
 
     def from_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """Rows back in the face's layout (a view)."""
-        return from_rows(t, self.shard_dim)
+        """Rows back in the face's layout (a view; a 0-d parameter's one row as shape ())."""
+        return t.view(()) if self.scalar else from_rows(t, self.shard_dim)
+
+    @property
+    def owns_rows(self) -> bool:
+        """Whether this rank's rows are its own (stored, counted in a norm): all but a 0-d
+        parameter's copies off shard rank 0 ([Note: 0-d parameters])."""
+        return not self.scalar or self.shard_rank == 0
 
     def _shard_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("meta") if param.is_meta else self.host_device
@@ -382,8 +396,6 @@ class ShardedParam:
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (original-shape) tensor."""
-        if full.dim() == 0:
-            full = full.reshape(1)
         return self.to_rows(full)[self.row_start : self.row_end]
 
     # ---- unsharded storage: allocated, freed, filled from the gather output ----
@@ -471,8 +483,10 @@ class ShardedParam:
                            first_rank)
 
     def gathered_local_rows(self) -> torch.Tensor:
-        """This rank's rows of the unsharded parameter, shaped like `local` (a view)."""
-        return self.to_rows(self._full_padded.data)[self.row_start: self.row_end]
+        """The rows this rank sent to the last gather, shaped like `local` (a view of the
+        unsharded buffer; a 0-d parameter's copy is its own row of it, not row 0)."""
+        start = self.shard_rank if self.scalar else self.row_start
+        return to_rows(self._full_padded.data, self.shard_dim)[start: start + self.local_rows]
 
     # ---- gradients: the local one before reduction, the sharded one as rows ----
 

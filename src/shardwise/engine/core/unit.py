@@ -296,6 +296,11 @@ def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
     def put(d: torch.Tensor, src: torch.Tensor) -> None:
         torch.mul(src, scale, out=d) if scale is not None else d.copy_(src)
 
+    if p.scalar:
+        # Every rank's row: each is handed the whole reduced gradient ([Note: 0-d parameters]).
+        put(dst, flat.view(1, 1).expand(dst.shape))
+        return
+
     full_ranks = p.dim0 // p.chunk_rows
     if full_ranks:
         put(dst[:full_ranks], flat[: full_ranks * chunk].view(full_ranks, chunk))
@@ -947,6 +952,11 @@ class Unit:
         layout is rebuilt when any flag changed, so a frozen parameter gets no gradient, no
         reduction and no optimizer update, and an unfrozen one trains.
         """
+        # A step starts here (the root's forward, after a backward that missed its final
+        # callback was finished): what a backward that raised left of its unused-gradient
+        # counts belongs to no step, and added to the next one's kept a gradient no rank
+        # computed ([Note: unused gradients], UnsureGrads). reset_iter_state leaves them.
+        self.unsure.clear()
         changed = False
         for p in self.params:
             held = p.refs[0].module._parameters.get(p.refs[0].name)

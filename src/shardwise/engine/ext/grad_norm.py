@@ -66,7 +66,10 @@ def clip_grad_norm_(
     # model order, made whether or not a gradient exists, the same on every rank. Under TP,
     # pieces that differ across TP ranks add up across tp as well ([Note: FSDP x TP]);
     # those replicated across tp (norms, a tied embedding) are counted once.
+    # A 0-d parameter's gradient is held whole by every rank of its shard group: counted on
+    # shard rank 0 only, clipped everywhere ([Note: 0-d parameters] in sharded_param.py).
     groups: dict[int, list] = {}  # -> [mesh, plain grads, tp-split grads, tp group]
+    copies: list[torch.Tensor] = []
     for p in sps:
         mesh = (p.owner or units[0]).mesh
         entry = groups.setdefault(id(mesh.shard_group) if mesh.shard_size > 1 else 0,
@@ -75,7 +78,7 @@ def clip_grad_norm_(
         if split:
             entry[3] = p.tp.ctx.tp_mesh.get_group()  # type: ignore[union-attr]
         if p.shard_grad is not None:
-            entry[2 if split else 1].append(p.shard_grad)
+            (entry[2 if split else 1] if p.owns_rows else copies).append(p.shard_grad)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, plain, tp_grads, tp_group in groups.values():
         part = partial(plain)
@@ -98,6 +101,6 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for g in [g for e in groups.values() for g in e[1] + e[2]] + local_grads:
+        for g in [g for e in groups.values() for g in e[1] + e[2]] + copies + local_grads:
             g.mul_(coef.to(g.device, g.dtype))
     return total
