@@ -73,3 +73,20 @@ def test_lightning_fabric_fsdp_strategy(tmp_path: Path) -> None:
         assert max(r["loss"], r["norm"], r["params"]) <= W.TOL, r
         assert r["wrappers"] == ("torch.distributed.fsdp.fully_sharded_data_parallel",
                                  "shardwise.fsdp1")
+
+
+def test_hf_trainer_fsdp_version_1_bf16_model_gets_fp32_masters(tmp_path: Path) -> None:
+    """A model loaded in bf16, trained by the Trainer with bf16=True on `fsdp_version: 1`:
+    Accelerate upcasts every FSDP1 instance's flat parameter to fp32 after wrapping, so the
+    optimizer steps fp32 master weights (compute stays bf16). shardwise takes the same
+    upcast: fp32 masters, FSDP1's instance count, losses and parameters."""
+    for r in run_distributed(F.trainer_bf16_fsdp1, 2, str(tmp_path), timeout_s=900):
+        a, b = r["fsdp1"], r["shardwise"]
+        assert a["masters"] == ["torch.float32"], a
+        assert b["masters"] == ["torch.float32"], b
+        assert a["units"] == b["units"], (a, b)
+        assert r["param_dtypes"] == [("torch.float32", "torch.float32")], r
+        assert [x[0] for x in a["logs"]] == [x[0] for x in b["logs"]]
+        assert [x[1] for x in a["logs"]] == pytest.approx([x[1] for x in b["logs"]],
+                                                          abs=W.TOL)
+        assert r["params"] <= W.TOL, r
