@@ -90,3 +90,32 @@ def test_hf_trainer_fsdp_version_1_bf16_model_gets_fp32_masters(tmp_path: Path) 
         assert [x[1] for x in a["logs"]] == pytest.approx([x[1] for x in b["logs"]],
                                                           abs=W.TOL)
         assert r["params"] <= W.TOL, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp1_api_against_fsdp1(world: int) -> None:
+    """summon_full_params (read, writeback, rank0_only, with_grads), LOCAL state dicts,
+    the full optimizer state functions, meta init with sync_module_states, manual nested
+    wrapping and process_group=: FSDP1's numbers within 1e-5 (fsdp1_api_workers.py)."""
+    from tests.dist import fsdp1_api_workers as A
+
+    results = run_distributed(A.api_grid, world, timeout_s=900)
+    for rank, r in enumerate(results):
+        for script, checks in r.items():
+            got = checks.pop("shardwise")
+            for k, v in checks.items():
+                assert v is True or (v is not False and v <= A.TOL), (rank, script, k, v)
+            if script == "summon":
+                assert got["shapes_ok"]
+                assert got["has_rank0"] == (rank == 0)
+            if script == "local":
+                assert got["again"] == pytest.approx(got["loss"][2:], abs=A.TOL)
+            if script == "optim":
+                assert got["rank0_empty"] and got["ids"]
+                assert got["plain"] <= A.TOL
+                for how in ("shard", "scatter", "rekey"):
+                    assert got[how] == pytest.approx(got["next"], abs=A.TOL), how
+            if script == "meta":
+                assert got["init_vs_rank0"] == 0.0
+            if script == "nested":
+                assert (got["units"], got["roots"]) == (4, 1)

@@ -153,3 +153,19 @@ def test_patch_fsdp1_swaps_homes_and_bound_names_then_undoes() -> None:
         assert user.FSDP is original
     finally:
         del sys.modules["an_fsdp1_framework"]
+
+
+def test_torch_modules_imported_after_the_patch_keep_fsdp1s_class() -> None:
+    """DCP's state-dict helpers bind FSDP1's class at import; first imported under the
+    patch they bound shardwise's, and took a nested model's inner wrappers for FSDP1's
+    (`.process_group`). A fresh interpreter: patch first, import after."""
+    import subprocess
+
+    code = (
+        "import shardwise as sw, torch.distributed.fsdp as f\n"
+        "theirs = [f.FullyShardedDataParallel]  # a list: the patch swaps module globals\n"
+        "sw.patch_fsdp1()\n"
+        "import torch.distributed.checkpoint.state_dict as s\n"
+        "import torch.distributed.optim.named_optimizer as n\n"
+        "assert s.FSDP is theirs[0] and n.FSDP is theirs[0], (s.FSDP, n.FSDP)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
