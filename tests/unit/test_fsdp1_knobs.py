@@ -169,3 +169,22 @@ def test_torch_modules_imported_after_the_patch_keep_fsdp1s_class() -> None:
         "import torch.distributed.optim.named_optimizer as n\n"
         "assert s.FSDP is theirs[0] and n.FSDP is theirs[0], (s.FSDP, n.FSDP)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("given", ["HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2",
+                                   "hybrid-shard-zero2"])
+def test_cli_takes_fsdp1s_hybrid_zero2(given: str) -> None:
+    """`shardwise train --shard.sharding_strategy HYBRID_SHARD_ZERO2` (or FSDP1's member
+    name): the hybrid mesh, units keeping their parameters from forward to backward."""
+    from shardwise import launchers
+    from shardwise.train import options as O
+
+    values, _ = O.parse_argv(["--shard.sharding_strategy", given])
+    name = O.build(values).shard.sharding_strategy
+    assert name == "HYBRID_SHARD_ZERO2"
+    assert ShardingStrategy.parse(name) is ShardingStrategy.HYBRID_SHARD
+    assert not ShardingStrategy.reshards_after_forward(name)
+    assert ShardingStrategy.reshards_after_forward("HYBRID_SHARD")
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    assert launchers.topology(4, name, environ=env)["mesh"] == launchers.topology(
+        4, "HYBRID_SHARD", environ=env)["mesh"]
