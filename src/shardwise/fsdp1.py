@@ -9,13 +9,14 @@ Lightning's `FSDPStrategy`), `sw.patch_fsdp1()` in every rank (fsdp1_patch.py).
 The wrapper is FSDP1's shape on shardwise's engine: an `nn.Module` holding the user's module as
 `_fsdp_wrapped_module` (`.module`), which `shard_model` shards with the constructor's knobs
 (FSDP1's own objects: engine/core/policies.py); units are the wrapped module and the modules
-the policy picks, each a shardwise unit (not a nested wrapper: `fsdp_modules` lists the
-wrappers only). Parameters are the original ones, as DTensors (FSDP1's `use_orig_params=True`;
-[Note: use_orig_params] below). State dicts follow FSDP1's `state_dict_type`: FULL gives
-full tensors (original buffer dtypes), SHARDED DTensors (FSDP1: ShardedTensors), LOCAL each
-rank's plain shard of each parameter (FSDP1: its flat parameter's); keys carry no wrapper
-prefix, as in FSDP1. Optimizer state dicts go through torch's DCP helpers, keyed by FQN as
-FSDP1's are. docs/porting.md lists every call and where it differs.
+the policy picks, each a shardwise unit (not a nested wrapper: `fsdp_modules` gives a view
+per unit, [Note: FSDP1 units]). Parameters are the original ones, as DTensors (FSDP1's
+`use_orig_params=True`; [Note: use_orig_params] below). State dicts follow FSDP1's
+`state_dict_type`: FULL gives full tensors (original buffer dtypes), SHARDED DTensors (FSDP1:
+ShardedTensors), LOCAL each rank's plain shard of each parameter (FSDP1: its flat
+parameter's); keys carry no wrapper prefix, as in FSDP1. Optimizer state dicts go through
+torch's DCP helpers, keyed by FQN as FSDP1's are. docs/porting.md lists every call and where
+it differs.
 """
 
 from __future__ import annotations
@@ -115,6 +116,18 @@ class FullyShardedDataParallel(nn.Module):
     modes, as here. What differs is what a script sees of the flat parameter itself:
     `model.parameters()` yields one tensor per original parameter, and nothing has the
     `_fsdp_flattened` mark (Lightning reads it to take its `use_orig_params=True` path).
+
+    [Note: FSDP1 units] FSDP1's auto wrapping puts a nested instance on each module its
+    policy picks; here those modules become shardwise units inside the one wrapper and stay
+    in the model as they were (`model.blocks[0]` is still the Block). Code that counts or
+    walks FSDP1's instances (`FSDP.fsdp_modules(model)`) gets one per unit all the same, in
+    FSDP1's order: each wrapper, and for each unit inside it a `_UnitView`, an instance that
+    is nobody's submodule. Each answers `_has_params`, `_flat_param` (`_FlatParamView`) and
+    `_handle` as far as Accelerate reads them: under mixed precision it upcasts every
+    low-precision flat parameter to fp32 after wrapping (`param.data =
+    param.data.to(torch.float32)`), which here stores that unit's master shards in fp32
+    (ext/mixed_precision.py's `recast_master`), so a model loaded in bf16 trains fp32
+    master weights as under FSDP1.
     """
 
     def __init__(
