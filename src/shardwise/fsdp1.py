@@ -9,18 +9,20 @@ Lightning's `FSDPStrategy`), `sw.patch_fsdp1()` in every rank (fsdp1_patch.py).
 The wrapper is FSDP1's shape on shardwise's engine: an `nn.Module` holding the user's module as
 `_fsdp_wrapped_module` (`.module`), which `shard_model` shards with the constructor's knobs
 (FSDP1's own objects: engine/core/policies.py); units are the wrapped module and the modules
-the policy picks, each a shardwise unit (not a nested wrapper: `fsdp_modules` lists the
-wrappers only). Parameters are the original ones, as DTensors (FSDP1's `use_orig_params=True`;
-[Note: use_orig_params] below). State dicts follow FSDP1's `state_dict_type`: FULL gives
-full tensors (original buffer dtypes), SHARDED DTensors (FSDP1: ShardedTensors), LOCAL each
-rank's plain shard of each parameter (FSDP1: its flat parameter's); keys carry no wrapper
-prefix, as in FSDP1. Optimizer state dicts go through torch's DCP helpers, keyed by FQN as
-FSDP1's are. docs/porting.md lists every call and where it differs.
+the policy picks, each a shardwise unit (not a nested wrapper: `fsdp_modules` gives a view
+per unit, [Note: FSDP1 units]). Parameters are the original ones, as DTensors (FSDP1's
+`use_orig_params=True`; [Note: use_orig_params] below). State dicts follow FSDP1's
+`state_dict_type`: FULL gives full tensors (original buffer dtypes), SHARDED DTensors (FSDP1:
+ShardedTensors), LOCAL each rank's plain shard of each parameter (FSDP1: its flat
+parameter's); keys carry no wrapper prefix, as in FSDP1. Optimizer state dicts go through
+torch's DCP helpers, keyed by FQN as FSDP1's are. docs/porting.md lists every call and where
+it differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -62,6 +64,7 @@ from .engine.core.policies import (
     ShardingStrategy as SwStrategy,
 )
 from .engine.ext.grad_norm import clip_grad_norm_
+from .engine.ext.mixed_precision import recast_master
 
 __all__ = [
     "BackwardPrefetch",
@@ -113,6 +116,18 @@ class FullyShardedDataParallel(nn.Module):
     modes, as here. What differs is what a script sees of the flat parameter itself:
     `model.parameters()` yields one tensor per original parameter, and nothing has the
     `_fsdp_flattened` mark (Lightning reads it to take its `use_orig_params=True` path).
+
+    [Note: FSDP1 units] FSDP1's auto wrapping puts a nested instance on each module its
+    policy picks; here those modules become shardwise units inside the one wrapper and stay
+    in the model as they were (`model.blocks[0]` is still the Block). Code that counts or
+    walks FSDP1's instances (`FSDP.fsdp_modules(model)`) gets one per unit all the same, in
+    FSDP1's order: each wrapper, and for each unit inside it a `_UnitView`, an instance that
+    is nobody's submodule. Each answers `_has_params`, `_flat_param` (`_FlatParamView`) and
+    `_handle` as far as Accelerate reads them: under mixed precision it upcasts every
+    low-precision flat parameter to fp32 after wrapping (`param.data =
+    param.data.to(torch.float32)`), which here stores that unit's master shards in fp32
+    (ext/mixed_precision.py's `recast_master`), so a model loaded in bf16 trains fp32
+    master weights as under FSDP1.
     """
 
     def __init__(
@@ -234,10 +249,27 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _has_params(self) -> bool:
-        """FSDP1's flag for a wrapper that holds a flat parameter; shardwise has none
-        ([Note: use_orig_params]), so Accelerate's upcast of low-precision flat
-        parameters under mixed precision finds nothing to do."""
-        return False
+        """FSDP1's flag for an instance that holds a flat parameter: here, a unit with
+        parameters (Accelerate skips the others when it upcasts; [Note: FSDP1 units])."""
+        unit = own_unit(self._fsdp_wrapped_module)
+        return unit is not None and bool(unit.params)
+
+    @property
+    def _flat_param(self) -> _FlatParamView | None:
+        """What FSDP1 code reads of this instance's flat parameter ([Note: FSDP1 units])."""
+        return _FlatParamView(self._fsdp_wrapped_module) if self._has_params else None
+
+    @property
+    def _handle(self) -> Any:
+        """FSDP1's FlatParamHandle, as far as Accelerate writes it (`_orig_param_dtype`,
+        which the master dtype of the flat parameter view already decides here)."""
+        if not self._has_params:
+            return None
+        handle = vars(self).get("_sw_handle")
+        if handle is None:
+            handle = self.__dict__["_sw_handle"] = types.SimpleNamespace(
+                _orig_param_dtype=None)
+        return handle
 
     def check_is_root(self) -> bool:
         return True
@@ -267,13 +299,43 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False
                      ) -> list[FullyShardedDataParallel]:
-        """The FullyShardedDataParallel modules in `module` (the wrappers; policy-chosen
-        units are shardwise units inside them, not wrappers)."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not root_only:
-            return found
-        inner = {id(x) for m in found for x in m._fsdp_wrapped_module.modules()}
-        return [m for m in found if id(m) not in inner]
+        """One FullyShardedDataParallel per unit in `module`, in FSDP1's (pre-)order: each
+        wrapper, and for each unit its policy chose, that unit's view ([Note: FSDP1
+        units]). `root_only`: the outermost wrappers only."""
+        if root_only:
+            found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+            inner = {id(x) for m in found for x in m._fsdp_wrapped_module.modules()}
+            return [m for m in found if id(m) not in inner]
+        out: list[FullyShardedDataParallel] = []
+        seen: set[int] = set()
+
+        def walk(m: nn.Module, owner: FullyShardedDataParallel | None) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            if isinstance(m, FullyShardedDataParallel):
+                out.append(m)
+                if isinstance(m, _UnitView):
+                    return
+                seen.add(id(m._fsdp_wrapped_module))  # its own unit: the wrapper itself
+                for c in m._fsdp_wrapped_module.children():
+                    walk(c, m)
+                return
+            if owner is not None and own_unit(m) is not None:
+                out.append(owner._unit_view(m))
+            for c in m.children():
+                walk(c, owner)
+
+        walk(module, None)
+        return out
+
+    def _unit_view(self, module: nn.Module) -> FullyShardedDataParallel:
+        """The FSDP1 instance that stands for `module`'s unit inside this wrapper; the same
+        object on every ask."""
+        views = self.__dict__.setdefault("_sw_unit_views", {})
+        if id(module) not in views:
+            views[id(module)] = _UnitView(self, module)
+        return views[id(module)]
 
     @staticmethod
     def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
@@ -439,6 +501,75 @@ class FullyShardedDataParallel(nn.Module):
             "param_groups": [{**g, "params": [key.get(k, k) for k in g["params"]]}
                              for g in optim_state_dict.get("param_groups", [])],
         }
+
+
+class _UnitView(FullyShardedDataParallel):
+    """A unit the wrap policy chose inside a wrapper, as FSDP1's nested instance for
+    `FSDP.fsdp_modules` ([Note: FSDP1 units]). Not a submodule of anything: the model keeps
+    its own modules where FSDP1 puts wrappers."""
+
+    def __init__(self, owner: FullyShardedDataParallel, module: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self._fsdp_wrapped_module = module
+        for attr in ("sharding_strategy", "mixed_precision", "cpu_offload", "backward_prefetch",
+                     "forward_prefetch", "limit_all_gathers", "_use_orig_params",
+                     "_state_dict_settings", "_buffer_dtypes"):
+            setattr(self, attr, getattr(owner, attr))
+
+    def check_is_root(self) -> bool:
+        return False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise RuntimeError("clip_grad_norm_ should only be called on the root "
+                           "FullyShardedDataParallel instance (as in FSDP1)")
+
+
+class _FlatParamView:
+    """FSDP1's FlatParameter of one unit, as far as Accelerate uses it: its dtype, device,
+    `requires_grad`, `_fqns`, and `.data`: this rank's shards flattened into one tensor;
+    setting it writes the values back to the shards, stored in the new tensor's dtype
+    (`param.data = param.data.to(torch.float32)` upcasts the unit's master weights).
+    FSDP1 requires one dtype per flat parameter; a unit of several reads as its first."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        unit = own_unit(module)
+        assert unit is not None
+        self._params = [sp for sp in unit.params if sp.orig_dtype.is_floating_point]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._params[0].orig_dtype if self._params else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self._params[0].local.device if self._params else torch.device("cpu")
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(sp.requires_grad for sp in self._params)
+
+    @property
+    def _fqns(self) -> list[str]:
+        return [clean_name(sp.fqn) for sp in self._params]
+
+    @property
+    def data(self) -> torch.Tensor:
+        if not self._params:
+            return torch.empty(0)
+        return torch.cat([sp.local.detach().reshape(-1).to(self.dtype) for sp in self._params])
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        sizes = [sp.local.numel() for sp in self._params]
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != sum(
+                sizes):
+            raise _fail("flat parameter data", value, f"must be a 1-D tensor of {sum(sizes)} "
+                        "elements (this rank's shards of the unit, flattened)")
+        recast_master(self._module, value.dtype)
+        with torch.no_grad():
+            for sp, piece in zip(self._params, value.split(sizes), strict=True):
+                sp.local.copy_(piece.view_as(sp.local))
 
 
 # --------------------------------------------------------------------------------------------------

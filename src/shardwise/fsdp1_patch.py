@@ -24,8 +24,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+# DCP's state-dict helpers and NamedOptimizer bind FSDP1's class at import and must keep it:
+# imported here, before any patch, so that neither is first imported under the patch and binds
+# shardwise's (DCP would then take a manually nested model's inner wrappers for FSDP1
+# instances: `.process_group`, FSDP.optim_state_dict back into shardwise).
+import torch.distributed.checkpoint.state_dict  # noqa: F401
 import torch.distributed.fsdp as _torch_fsdp
 import torch.distributed.fsdp.fully_sharded_data_parallel  # noqa: F401  (a home, below)
+import torch.distributed.optim.named_optimizer  # noqa: F401
 
 from .fsdp1 import FullyShardedDataParallel
 

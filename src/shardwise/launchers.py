@@ -62,7 +62,7 @@ def topology(world: int, strategy: str, tp: int = 1,
     nodes = world // local if local and world % local == 0 else 0
     if tp > 1:
         mesh = f"(dp={world // tp}, tp={tp}): FSDP over dp, tensor parallel over tp"
-    elif strategy == "HYBRID_SHARD" and nodes:
+    elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2") and nodes:
         mesh = (f"(replicate={nodes}, shard={local}): shard inside a node, replicate "
                 "across nodes")
     elif strategy == "NO_SHARD":

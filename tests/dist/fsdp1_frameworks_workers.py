@@ -185,3 +185,84 @@ def fabric_fsdp1(rank: int, world: int, folder: str) -> dict[str, Any]:
             "params": max((a["params"][k] - b["params"][k]).abs().max().item()
                           for k in a["params"]),
             "wrappers": (a["wrapper"], b["wrapper"])}
+
+
+# --------------------------------------------------------------------------------------------------
+# Accelerate's mixed precision on FSDP1 with a model loaded in bf16: after wrapping, Accelerate
+# upcasts each FSDP1 instance's flat parameter to fp32 (`FSDP.fsdp_modules`, `_has_params`,
+# `_flat_param`), so the optimizer steps fp32 master weights while compute runs in bf16.
+
+
+@contextlib.contextmanager
+def _accelerate_fsdp_on_cpu() -> Any:
+    """`_fsdp_on_cpu`, plus the two things Accelerate's GPU branch does when it picks FSDP,
+    which mixed precision depends on: `fsdp_plugin.set_mixed_precision(...)` (FSDP1's
+    MixedPrecision(param_dtype, reduce_dtype, buffer_dtype) from `mixed_precision`), and the
+    type written into PartialState's shared state (a later `AcceleratorState()`, as the
+    autocast wrapper in prepare_model makes, copies it back: MULTI_CPU, and DDP)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    with _fsdp_on_cpu():
+        lifted = AcceleratorState.__init__
+
+        def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+            fresh = not AcceleratorState._shared_state
+            lifted(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if fresh and self.distributed_type is DistributedType.FSDP:
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+
+        AcceleratorState.__init__ = init  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            AcceleratorState.__init__ = lifted  # type: ignore[method-assign]
+
+
+def _trainer_bf16(engine: str, folder: str) -> dict[str, Any]:
+    from transformers import Trainer, TrainingArguments
+
+    switch = sw.patched_fsdp1() if engine == "shardwise" else contextlib.nullcontext()
+    with _accelerate_fsdp_on_cpu(), switch, _cpu_device_id():
+        args = TrainingArguments(
+            output_dir=f"{folder}/bf16-{engine}", per_device_train_batch_size=2,
+            max_steps=STEPS, learning_rate=1e-2, max_grad_norm=MAX_NORM, seed=0,
+            logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0,
+            use_cpu=True, bf16=True, fsdp="full_shard",
+            fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                         "state_dict_type": "FULL_STATE_DICT", "use_orig_params": True,
+                         "sync_module_states": False, "cpu_ram_efficient_loading": False})
+        torch.manual_seed(0)
+        trainer = Trainer(model=build("llama").to(torch.bfloat16), args=args,
+                          train_dataset=_data())
+        trainer.train()
+        model = trainer.model_wrapped
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # the engine's
+        from torch.distributed.fsdp import StateDictType
+
+        units = len(FSDP.fsdp_modules(model))
+        masters = sorted({str(p.dtype) for g in trainer.optimizer.param_groups
+                          for p in g["params"]})
+        # Set, not the context manager: FSDP1's restores the previous type, None here.
+        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"logs": [(h["step"], h["loss"], h["grad_norm"])
+                     for h in trainer.state.log_history if "loss" in h],
+            "params": params, "masters": masters, "units": units,
+            "policy": repr(getattr(model, "mixed_precision", None))}
+
+
+def trainer_bf16_fsdp1(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """The HF Trainer (bf16=True, fsdp_config version 1) on a model loaded in bf16: FSDP1
+    then shardwise. Master dtypes, FSDP instance counts, losses and final parameters."""
+    a = _trainer_bf16("fsdp1", folder)
+    b = _trainer_bf16("shardwise", folder)
+    assert a["params"].keys() == b["params"].keys()
+    return {"fsdp1": {k: a[k] for k in ("logs", "masters", "units", "policy")},
+            "shardwise": {k: b[k] for k in ("logs", "masters", "units", "policy")},
+            "param_dtypes": sorted({(str(a["params"][k].dtype), str(b["params"][k].dtype))
+                                    for k in a["params"]}),
+            "params": max((a["params"][k].double() - b["params"][k].double()).abs().max().item()
+                          for k in a["params"])}

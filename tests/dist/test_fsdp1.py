@@ -73,3 +73,49 @@ def test_lightning_fabric_fsdp_strategy(tmp_path: Path) -> None:
         assert max(r["loss"], r["norm"], r["params"]) <= W.TOL, r
         assert r["wrappers"] == ("torch.distributed.fsdp.fully_sharded_data_parallel",
                                  "shardwise.fsdp1")
+
+
+def test_hf_trainer_fsdp_version_1_bf16_model_gets_fp32_masters(tmp_path: Path) -> None:
+    """A model loaded in bf16, trained by the Trainer with bf16=True on `fsdp_version: 1`:
+    Accelerate upcasts every FSDP1 instance's flat parameter to fp32 after wrapping, so the
+    optimizer steps fp32 master weights (compute stays bf16). shardwise takes the same
+    upcast: fp32 masters, FSDP1's instance count, losses and parameters."""
+    for r in run_distributed(F.trainer_bf16_fsdp1, 2, str(tmp_path), timeout_s=900):
+        a, b = r["fsdp1"], r["shardwise"]
+        assert a["masters"] == ["torch.float32"], a
+        assert b["masters"] == ["torch.float32"], b
+        assert a["units"] == b["units"], (a, b)
+        assert r["param_dtypes"] == [("torch.float32", "torch.float32")], r
+        assert [x[0] for x in a["logs"]] == [x[0] for x in b["logs"]]
+        assert [x[1] for x in a["logs"]] == pytest.approx([x[1] for x in b["logs"]],
+                                                          abs=W.TOL)
+        assert r["params"] <= W.TOL, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp1_api_against_fsdp1(world: int) -> None:
+    """summon_full_params (read, writeback, rank0_only, with_grads), LOCAL state dicts,
+    the full optimizer state functions, meta init with sync_module_states, manual nested
+    wrapping and process_group=: FSDP1's numbers within 1e-5 (fsdp1_api_workers.py)."""
+    from tests.dist import fsdp1_api_workers as A
+
+    results = run_distributed(A.api_grid, world, timeout_s=900)
+    for rank, r in enumerate(results):
+        for script, checks in r.items():
+            got = checks.pop("shardwise")
+            for k, v in checks.items():
+                assert v is True or (v is not False and v <= A.TOL), (rank, script, k, v)
+            if script == "summon":
+                assert got["shapes_ok"]
+                assert got["has_rank0"] == (rank == 0)
+            if script == "local":
+                assert got["again"] == pytest.approx(got["loss"][2:], abs=A.TOL)
+            if script == "optim":
+                assert got["rank0_empty"] and got["ids"]
+                assert got["plain"] <= A.TOL
+                for how in ("shard", "scatter", "rekey"):
+                    assert got[how] == pytest.approx(got["next"], abs=A.TOL), how
+            if script == "meta":
+                assert got["init_vs_rank0"] == 0.0
+            if script == "nested":
+                assert (got["units"], got["roots"]) == (4, 1)

@@ -69,7 +69,7 @@ TRAIN_CASES = [
     train("train.on_nonfinite", "ignore", "train.on_nonfinite='ignore' is not one of: stop, skip"),
     train("train.max_skipped_steps", "-1", "train.max_skipped_steps=-1 must be >= 0"),
     train("shard.sharding_strategy", "ZERO3", "shard.sharding_strategy='ZERO3' is not one of: "
-          "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD"),
+          "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2"),
     train("shard.auto_wrap_policy", "blocks", "shard.auto_wrap_policy='blocks' is not one of: "
           "transformer, size, none"),
     train("shard.mixed_precision", "int8", "shard.mixed_precision='int8' is not one of: fp32, "

@@ -153,3 +153,38 @@ def test_patch_fsdp1_swaps_homes_and_bound_names_then_undoes() -> None:
         assert user.FSDP is original
     finally:
         del sys.modules["an_fsdp1_framework"]
+
+
+def test_torch_modules_imported_after_the_patch_keep_fsdp1s_class() -> None:
+    """DCP's state-dict helpers bind FSDP1's class at import; first imported under the
+    patch they bound shardwise's, and took a nested model's inner wrappers for FSDP1's
+    (`.process_group`). A fresh interpreter: patch first, import after."""
+    import subprocess
+
+    code = (
+        "import shardwise as sw, torch.distributed.fsdp as f\n"
+        "theirs = [f.FullyShardedDataParallel]  # a list: the patch swaps module globals\n"
+        "sw.patch_fsdp1()\n"
+        "import torch.distributed.checkpoint.state_dict as s\n"
+        "import torch.distributed.optim.named_optimizer as n\n"
+        "assert s.FSDP is theirs[0] and n.FSDP is theirs[0], (s.FSDP, n.FSDP)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("given", ["HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2",
+                                   "hybrid-shard-zero2"])
+def test_cli_takes_fsdp1s_hybrid_zero2(given: str) -> None:
+    """`shardwise train --shard.sharding_strategy HYBRID_SHARD_ZERO2` (or FSDP1's member
+    name): the hybrid mesh, units keeping their parameters from forward to backward."""
+    from shardwise import launchers
+    from shardwise.train import options as O
+
+    values, _ = O.parse_argv(["--shard.sharding_strategy", given])
+    name = O.build(values).shard.sharding_strategy
+    assert name == "HYBRID_SHARD_ZERO2"
+    assert ShardingStrategy.parse(name) is ShardingStrategy.HYBRID_SHARD
+    assert not ShardingStrategy.reshards_after_forward(name)
+    assert ShardingStrategy.reshards_after_forward("HYBRID_SHARD")
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    assert launchers.topology(4, name, environ=env)["mesh"] == launchers.topology(
+        4, "HYBRID_SHARD", environ=env)["mesh"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.core.policies import STRATEGY_NAMES as STRATEGIES
+from ..engine.core.policies import CONFIG_STRATEGY_NAMES as STRATEGIES
 from .config_outputs import CheckpointSection, LogSection, LoraSection
 from .model import PRESETS, GPTConfig, preset
 from .validate import check as _check
@@ -287,8 +287,9 @@ class TrainSection:
 class ShardSection:
     """The four FSDP knobs (see docs/design.md).
 
-    sharding_strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP) or
-        HYBRID_SHARD (shard within a node, replicate across nodes).
+    sharding_strategy: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP),
+        HYBRID_SHARD (shard within a node, replicate across nodes) or HYBRID_SHARD_ZERO2
+        (FSDP1's _HYBRID_SHARD_ZERO2: HYBRID_SHARD keeping parameters from forward to backward).
     auto_wrap_policy: which modules become units: transformer (each Block),
         size (>= 100k parameters) or none (one unit).
     mixed_precision: compute and communication dtype: fp32, bf16 or fp16 (master weights stay fp32).
@@ -303,6 +304,8 @@ class ShardSection:
     def __post_init__(self) -> None:
         _typed("shard", self)
         self.sharding_strategy = self.sharding_strategy.upper().replace("-", "_")
+        if self.sharding_strategy == "_HYBRID_SHARD_ZERO2":  # FSDP1's member name
+            self.sharding_strategy = "HYBRID_SHARD_ZERO2"
         _choice("shard", "sharding_strategy", self.sharding_strategy, STRATEGIES)
         _choice("shard", "auto_wrap_policy", self.auto_wrap_policy, WRAP_POLICIES)
         _choice("shard", "mixed_precision", self.mixed_precision, PRECISIONS)

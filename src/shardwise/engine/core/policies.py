@@ -209,15 +209,27 @@ class ShardingStrategy(str, enum.Enum):
 _ZERO2 = "_HYBRID_SHARD_ZERO2"
 
 
+# Its name in configs and on the command line (`--shard.sharding_strategy HYBRID_SHARD_ZERO2`;
+# FSDP1's own spelling, with the underscore, is taken too).
+HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+
 def _fsdp1_strategy_name(value: Any) -> str | None:
-    """The member name of FSDP1's `torch.distributed.fsdp.ShardingStrategy`, else None."""
+    """The member name of FSDP1's `torch.distributed.fsdp.ShardingStrategy` (or the name of
+    its `_HYBRID_SHARD_ZERO2` as a string), else None."""
     from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
 
+    if isinstance(value, str) and value.strip().upper().replace("-", "_").lstrip("_") == (
+            HYBRID_SHARD_ZERO2):
+        return _ZERO2
     return value.name if isinstance(value, TorchStrategy) else None
 
 
 # The strategy names, for configs and CLIs that list the choices.
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in ShardingStrategy)
+# What a config's sharding_strategy takes: those and FSDP1's hybrid ZeRO-2 (HYBRID_SHARD whose
+# units keep their parameters from forward to backward).
+CONFIG_STRATEGY_NAMES: tuple[str, ...] = (*STRATEGY_NAMES, HYBRID_SHARD_ZERO2)
 
 # The one dtype vocabulary: short names in configs, plans and logs.
 DTYPE_NAMES: dict[torch.dtype, str] = {

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..core import dtensor as DT
-from ..core.context import ModelGroup, sharded_params, units_of
+from ..core.context import ModelGroup, sharded_params, unit_of, units_of
 from ..core.policies import check_bool, check_int, check_module, check_number, dtype_name
 
 
@@ -40,6 +40,48 @@ def precision_plan(model: nn.Module) -> str:
     return (f"precision plan: storage {master} shards | compute {compute} | {gather} | "
             f"reduce {reduce} | optimizer master weights {master}"
             + (f" | outputs {'/'.join(sorted(out))}" if out else ""))
+
+
+def recast_master(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Store the master shards of `module`'s own unit in `dtype` (floating ones not already
+    in it); return their FQNs. Between steps, before an optimizer is built: each changed
+    parameter gets a new Parameter object (an optimizer holding the old one fails loudly).
+
+    FSDP1 under Accelerate's mixed precision: a model loaded in bf16 gets fp32 master
+    weights (Accelerate upcasts each FSDP1 flat parameter after wrapping; fsdp1.py's
+    `_FlatParamView`). The compute dtype (param_dtype) is unchanged, so the unit's flat
+    layout is too; the gather casts from the new master dtype.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from ..core.schedule import ShardedState, TrainingState
+
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(f"recast_master: {type(module).__name__} is not a sharded unit")
+    if unit.state is not ShardedState.SHARDED or unit.training_state is not TrainingState.IDLE:
+        raise RuntimeError(f"recast_master({unit.name or 'root'}): only between steps, "
+                           f"while sharded (state {unit.state.name}, "
+                           f"{unit.training_state.name})")
+    changed = []
+    for sp in unit.params:
+        if sp.orig_dtype == dtype or not sp.orig_dtype.is_floating_point:
+            continue
+        if sp.subclass or sp.tp is not None:
+            raise ValueError(f"recast_master: {sp.fqn} is a tensor-subclass or "
+                             "tensor-parallel shard; its dtype cannot change after sharding")
+        padded = sp.padded_shard.to(dtype)
+        sp.orig_dtype = dtype
+        if sp.spec is not None:
+            meta = TensorMeta(sp.spec.shape, sp.spec.stride, dtype)
+            sp.spec = DTensorSpec(sp.spec.mesh, sp.spec.placements, tensor_meta=meta)
+        # What materialize does for a meta shard: new Parameter objects around new storage.
+        # (ShardedParam has no public recast; sharded_param.py is the place for one.)
+        sp._build(padded, meta=sp.is_meta)
+        changed.append(sp.fqn)
+    if changed:
+        unit.set_params(unit.params)
+    return changed
 
 
 class ShardedGradScaler:
