@@ -478,8 +478,13 @@ class ModelContext:
         elif event is not None:
             event.wait()  # type: ignore[attr-defined]  # the current stream waits for it
         if self.schedule.state is TrainingState.PRE_BACKWARD:
-            # A backward that never reached its final callback (e.g. an exception): reset.
-            self.finish_backward()
+            # A backward that never reached its final callback (it raised): its results are
+            # dropped, as reset_iter_state drops them. Finishing it instead would write its
+            # gradients after the user's zero_grad, into the next step's (wrong numbers,
+            # silently), and issue reductions this rank's peers may not issue.
+            _log.warning("the last backward did not finish (it raised?): its gradients "
+                         "are dropped; call model.reset_iter_state() after such an error")
+            self.reset_iter_state()
         # The user may have frozen or unfrozen parameters since the last step.
         for u in self.units:
             u.follow_requires_grad()
