@@ -238,6 +238,10 @@ class TrainSection:
     activation_checkpointing: recompute each block's activations in backward instead of
         keeping them (less memory, about a third more compute).
     compile: compile each block with torch.compile (the first steps pay for compilation).
+    optim_in_backward: step each parameter's AdamW as its reduced gradient lands in backward
+        and free that gradient at once (less memory: no rank holds every gradient). Same
+        losses as the default; needs grad_clip 0 (the global norm exists only once every
+        parameter has stepped) and on_nonfinite stop.
     """
 
     steps: int = 1000
@@ -260,9 +264,19 @@ class TrainSection:
     max_skipped_steps: int = 10
     activation_checkpointing: bool = False
     compile: bool = False
+    optim_in_backward: bool = False
 
     def __post_init__(self) -> None:
         _typed("train", self)
+        if self.optim_in_backward:
+            # [Note: optimizer in backward] in optim.py.
+            _check(self.grad_clip == 0, f"train.optim_in_backward cannot clip: train.grad_clip="
+                   f"{self.grad_clip!r} needs the global gradient norm, which exists only after "
+                   "every parameter has stepped; set train.grad_clip 0 (the norm is still "
+                   "logged) or leave train.optim_in_backward off")
+            _check(self.on_nonfinite == "stop", "train.optim_in_backward cannot skip a step: "
+                   f"train.on_nonfinite={self.on_nonfinite!r}, but each parameter has stepped "
+                   "before the loss and norm are known; use on_nonfinite stop")
         _positive("train", self, "batch_size", "grad_accum", "lr")
         _positive("train", self, "steps", "epochs", "warmup_steps", "weight_decay", "grad_clip",
                   "eval_interval", "max_skipped_steps", "eval_batches", zero_ok=True)
@@ -423,6 +437,9 @@ class Config:
                    "DDP x TP are library-only: docs/parallelism.md)")
             _check(not self.shard.cpu_offload,
                    f"parallel.tp={tp} with shard.cpu_offload=true is not supported")
+        _check(not (self.train.optim_in_backward and self.shard.mixed_precision == "fp16"),
+               "train.optim_in_backward with shard.mixed_precision=fp16 is not supported: "
+               "fp16's loss scaling must see every gradient before any step; use bf16 or fp32")
         _check(bool(self.model.hf) or self.model.gpt().vocab_size >= 256,
                f"model.preset={self.model.preset!r} has vocab_size < 256; byte text needs 256")
 

@@ -208,6 +208,12 @@ class Trainer:
         self.built = build(cfg, tp_mesh(cfg, self.world, self.device))
         self.model = self.built.model
         self.opt = _optimizer(self.model, t)
+        # [Note: optimizer in backward] in optim.py: self.opt keeps the state and the lr.
+        self.in_backward = None
+        if t.optim_in_backward:
+            from .optim import InBackward
+
+            self.in_backward = InBackward(self.opt, self.model)
         # fp16's narrow range needs loss scaling; bf16 and fp32 do not (a no-op scaler).
         self.scaler = sw.ShardedGradScaler(enabled=cfg.shard.mixed_precision == "fp16")
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_skipped_steps,
@@ -295,6 +301,8 @@ class Trainer:
         for micro, batch in enumerate(batches):
             # Accumulate locally; only the last micro-batch's backward communicates.
             sync = micro == t.grad_accum - 1
+            if self.in_backward is not None:
+                self.in_backward.armed = sync  # step in the backward that reduces
             with contextlib.nullcontext() if sync else sw.no_sync(model):
                 if weigh:
                     loss = self.built.loss_sum(*batch)[0]  # type: ignore[misc]
@@ -306,8 +314,12 @@ class Trainer:
                     loss = self.faults.loss(loss, step, self.rank)
                 scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
-        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-        norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else math.inf).item()
+        if self.in_backward is not None:
+            norm = self.in_backward.finish()  # stepped already; no clipping (config.py)
+        else:
+            scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+            norm = sw.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0
+                                      else math.inf).item()
         # Every rank's loss (and memory) in one small all-gather, so the mean loss, NaN if
         # any rank's is, is the same on every rank before anything is applied. A stop request
         # (a signal's number and time, preempt.py) rides along: every rank sees every rank's.
@@ -319,7 +331,10 @@ class Trainer:
         # Decided alike on every rank: a stop raises here, so no checkpoint is ever saved
         # after a non-finite step.
         applied = self.guard.check(step, loss_mean, norm)
-        stepped = scaler.step(opt) if applied else False
+        if self.in_backward is not None:
+            stepped = applied  # in backward; a non-finite step stopped the run above
+        else:
+            stepped = scaler.step(opt) if applied else False
         scaler.update()
         opt.zero_grad(set_to_none=True)
         return StepResult(step, lr, loss_mean, norm, [r[1] for r in per_rank], applied, stepped,

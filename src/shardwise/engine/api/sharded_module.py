@@ -238,8 +238,12 @@ class ShardedModule(FSDPModule):
         """
         check_bool("async_op", async_op)
         if async_op:
-            self._sw_unit.unshard(async_op=True)
-            return UnshardHandle(self._sw_unit)
+            unit = self._sw_unit
+            issued = unit.state is ShardedState.SHARDED
+            unit.unshard(async_op=True)
+            if issued and unit.ctx is not None and unit.state is ShardedState.GATHERING:
+                unit.ctx.schedule.note_gathering(unit)  # counts against the prefetch limit
+            return UnshardHandle(unit)
         self._sw_unit.wait_unshard()
         return None
 

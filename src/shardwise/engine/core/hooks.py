@@ -59,6 +59,9 @@ def _walk(obj: Any, visit: Callable[[torch.Tensor], None], depth: int) -> None:
         visit(obj)
     elif depth > _MAX_DEPTH:
         return
+    elif type(obj) in _PLAIN:  # the common case first, no dataclass check (_PLAIN)
+        for v in (obj.values() if type(obj) is dict else obj):
+            _walk(v, visit, depth + 1)
     elif _is_dataclass_instance(obj):
         for f in dataclasses.fields(obj):
             _walk(getattr(obj, f.name, None), visit, depth + 1)
@@ -72,6 +75,10 @@ def _walk(obj: Any, visit: Callable[[torch.Tensor], None], depth: int) -> None:
 
 # Self-referencing containers are not activations; stop rather than recurse forever.
 _MAX_DEPTH = 32
+# Exactly these types are never dataclasses (a subclass may be: Hugging Face's ModelOutput
+# is a dict and a dataclass), so the walks take them before asking `dataclasses.is_dataclass`,
+# which every hook call otherwise paid for the (args, kwargs) pair and each element.
+_PLAIN = (tuple, list, dict)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, depth: int = 0) -> Any:
@@ -80,7 +87,11 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, depth: int
         return fn(obj)
     if depth > _MAX_DEPTH:
         return obj
-    if _is_dataclass_instance(obj):
+    kind = type(obj)
+    if kind is tuple or kind is list:  # the common case first, no dataclass check (_PLAIN)
+        items = [map_tensors(fn, v, depth + 1) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else kind(items)
+    if kind is not dict and _is_dataclass_instance(obj):
         changes = {}
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name, None)

@@ -150,6 +150,11 @@ class Schedule(Generic[U]):
         self.prefetches = 0
         self.most_gathers = 0
         self.most_reduces = 0
+        # The units whose all-gather was issued asynchronously (by a prefetch here, or by
+        # `note_gathering`) and may still be in flight: a prefetch counts what is in flight
+        # from these (at most `limits.gathers` and those the user issued) instead of
+        # scanning every unit of the model at each prefetch (quadratic in the units).
+        self._gathering: list[U] = []
         # Units whose gradients this backward reduced already (their post-backward ran).
         self.reduced: set[int] = set()
         # [Note: decision log] None: no log is kept (the engine's default; nothing is paid).
@@ -337,12 +342,19 @@ class Schedule(Generic[U]):
 
     # --- prefetch -----------------------------------------------------------------------
 
+    def note_gathering(self, unit: U) -> None:
+        """`unit`'s all-gather was issued asynchronously outside a prefetch (FSDP2's
+        `module.unshard(async_op=True)`): it counts against `limits.gathers` until waited."""
+        self._gathering.append(unit)
+
     def _prefetch(self, unit: U) -> None:
         if unit.state is not ShardedState.SHARDED:
             return
-        in_flight = sum(1 for u in self.units if u.state is ShardedState.GATHERING)
+        self._gathering = [u for u in self._gathering if u.state is ShardedState.GATHERING]
+        in_flight = len(self._gathering)
         if in_flight < self.limits.gathers:
             unit.unshard(async_op=True)
+            self._gathering.append(unit)
             if self.log is not None:
                 self.log.append(("gather", unit))
             self.prefetches += 1

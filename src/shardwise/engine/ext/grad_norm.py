@@ -41,11 +41,41 @@ def clip_grad_norm_(
         norm_type = {"inf": math.inf, "fro": 2.0}[norm_type]
     norm_type = check_number("norm_type", norm_type, positive=True, finite=False)
     check_bool("error_if_nonfinite", error_if_nonfinite)
+    total, groups, local_grads, copies = _total_norm(model, norm_type, None)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in [g for e in groups.values() for g in e[1] + e[2]] + copies + local_grads:
+            g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def grad_norm_of_parts(model: nn.Module, parts: dict[int, torch.Tensor],
+                       norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm, as `clip_grad_norm_` returns it, from each parameter's
+    local norm recorded while its gradient existed: `parts[id(param)]` is the `norm_type`
+    norm of this rank's gradient of the (sharded or ignored) parameter (a 0-d tensor). For
+    an optimizer stepped in backward, which frees each gradient as it lands: the norms are
+    combined across ranks exactly as the gradients would be. Nothing is clipped."""
+    check_module("model", model)
+    return _total_norm(model, norm_type, parts)[0]
+
+
+def _total_norm(model: nn.Module, norm_type: float, parts: dict[int, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, dict[int, list], list[torch.Tensor], list[torch.Tensor]]:
+    """(the total norm, the gradients by group, the ignored parameters' gradients, the
+    gradients counted on another rank: 0-d copies), from the
+    gradients or, given `parts`, from per-parameter local norms (a 0-d tensor's norm is
+    itself, so each stands in for its gradient)."""
     units = units_of(model)
     sps = sharded_params(model)
     sharded_ids = {id(p.sharded) for p in sps}
     unowned = [p for p in model.parameters() if id(p) not in sharded_ids]
-    local_grads = [p.grad for p in unowned if p.grad is not None]
+    if parts is None:
+        local_grads = [p.grad for p in unowned if p.grad is not None]
+    else:
+        local_grads = [parts[id(p)] for p in unowned if id(p) in parts]
     device = units[0].mesh.device if units else torch.device("cpu")
     op = "max" if norm_type == math.inf else "sum"
 
@@ -77,8 +107,9 @@ def clip_grad_norm_(
         split = p.tp is not None and p.tp.tp_sharded
         if split:
             entry[3] = p.tp.ctx.tp_mesh.get_group()  # type: ignore[union-attr]
-        if p.shard_grad is not None:
-            (entry[2 if split else 1] if p.owns_rows else copies).append(p.shard_grad)
+        g = (p.shard_grad if parts is None else parts.get(id(p.sharded)))
+        if g is not None:
+            (entry[2 if split else 1] if p.owns_rows else copies).append(g)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, plain, tp_grads, tp_group in groups.values():
         part = partial(plain)
@@ -97,10 +128,4 @@ def clip_grad_norm_(
     total = combine(total, mine)
     if norm_type != math.inf:
         total = total.pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total gradient norm {total.item()} is not finite")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for g in [g for e in groups.values() for g in e[1] + e[2]] + copies + local_grads:
-            g.mul_(coef.to(g.device, g.dtype))
-    return total
+    return total, groups, local_grads, copies
