@@ -15,6 +15,7 @@ from ..comm import collectives as C
 from ..core import dtensor as DT
 from ..core.context import ModelGroup, sharded_params, unit_of, units_of
 from ..core.policies import check_bool, check_int, check_module, check_number, dtype_name
+from ..core.schedule import ShardedState, TrainingState
 
 
 def _names(dts: Iterable[torch.dtype]) -> str:
@@ -54,7 +55,6 @@ def recast_master(module: nn.Module, dtype: torch.dtype) -> list[str]:
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    from ..core.schedule import ShardedState, TrainingState
 
     unit = unit_of(module)
     if unit is None:
