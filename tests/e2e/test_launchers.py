@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -47,14 +48,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return losses(cwd / "runs" / "ref")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def _job_id_with_free_port() -> int:
-    """A job id whose derived port (20000 + id mod 10000) is free on this machine now."""
-    for job in range(os.getpid() % 10000, os.getpid() % 10000 + 10000):
+    """A job id whose derived port (20000 + id mod 10000) is free on this machine now, and
+    never one handed out before in this process: a stopped case's rank 0 may still hold its
+    store's port for a moment, and a probe that found it free just before would collide."""
+    start = random.randrange(10000)
+    for job in range(start, start + 10000):
+        if job % 10000 in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", 20000 + job % 10000))
             except OSError:
                 continue
+            _HANDED_OUT.add(job % 10000)
             return 4_000_000 + job % 10000
     raise RuntimeError("no free port in 20000-29999")
 

@@ -52,6 +52,8 @@ TRAIN_CASES = [
     train("train.warmup_ratio", "1", "train.warmup_ratio=1.0 must be in [0, 1)"),
     train("train.steps", "1.5", "train.steps='1.5' is not a valid int"),
     train("train.batch_size", "0", "train.batch_size=0 must be > 0"),
+    train("train.optim_in_backward", "true",
+          "train.optim_in_backward cannot clip: train.grad_clip=1.0 needs the global"),
     train("train.grad_accum", "0", "train.grad_accum=0 must be > 0"),
     train("train.lr", "inf", f"train.lr=inf {NA}: must be a finite float"),
     train("train.lr", "0", "train.lr=0.0 must be > 0"),
