@@ -11,9 +11,16 @@ schedule's decision log ([Note: decision log] in engine/core/schedule.py) record
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ..engine.core.schedule import PendingReduce, Schedule, ShardedState, TrainingState
+from ..engine.core.schedule import (
+    Coalesce,
+    PendingReduce,
+    ReduceBatch,
+    Schedule,
+    ShardedState,
+    TrainingState,
+)
 
 
 class ReplayUnit:
@@ -31,7 +38,7 @@ class ReplayUnit:
         self.reshard_after_backward = True
         self.unreduced = False  # full gradients exist that were not reduced yet
 
-    def unshard(self, async_op: bool = True) -> None:
+    def unshard(self, async_op: bool = True, together: Sequence[Any] = ()) -> None:
         if self.state is not ShardedState.SHARDED:
             return
         self._issue_gather()
@@ -54,9 +61,15 @@ class ReplayUnit:
     def has_unreduced_grads(self) -> bool:
         return self.unreduced
 
-    def reduce_grads(self) -> Sequence[PendingReduce]:
+    def reduce_grads(self, batch: Any = None) -> Sequence[PendingReduce]:
         self.unreduced = False
         return self._issue_reduce()
+
+    def coalesce(self) -> Coalesce | None:
+        return None
+
+    def open_batch(self, members: Sequence[Any]) -> ReduceBatch:
+        raise NotImplementedError
 
     # What each replay counts.
 

@@ -33,7 +33,7 @@ from ..comm.work import Work
 from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
 from .policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
-from .schedule import Schedule, ShardedState, TrainingState
+from .schedule import Coalesce, Schedule, ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -151,6 +151,12 @@ class UnitContext(Protocol):
 # records an event, and the stream that takes it next waits for that event before using it.
 
 
+# [Note: coalesced units] in schedule.py. The default budget: units whose all-gather output
+# is this small or smaller share collectives with their neighbours up to this many bytes.
+# Chosen by measurement (benchmarks/coalesce.py, benchmarks/RESULTS.md "Issue 43").
+DEFAULT_COALESCE_BYTES = 1 << 20
+
+
 class BufferPool:
     def __init__(self, max_free: int = 4) -> None:
         # Free buffers per (dtype, device); each is a flat tensor.
@@ -259,6 +265,82 @@ class PendingGather:
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
     # CUDA: an event after the all-gather on its own stream ([Note: streams]); None on CPU.
     done: Any = None
+    # [Note: coalesced units] The group's one all-gather this bucket is part of, and where
+    # its columns start in the group's rows (then `send` is None and `out` the group's).
+    shared: SharedGather | None = None
+    col: int = 0
+
+
+@dataclass(eq=False)
+class SharedGather:
+    """One all-gather for a group of units ([Note: coalesced units] in schedule.py): waited
+    for by the first member that needs it, its buffers given back by the last."""
+
+    lead: Unit
+    send: torch.Tensor
+    out: torch.Tensor
+    numel: int  # one rank's chunk: the members' chunks side by side
+    left: int  # members that have not copied their columns out yet
+    waited: float | None = None  # the exposed seconds of the one wait, once waited
+
+    def rows(self, S: int, col: int, numel: int) -> torch.Tensor:
+        return self.out.view(S, self.numel)[:, col : col + numel]
+
+    def release(self, start: float, blocked: float) -> None:
+        self.left -= 1
+        if self.left:
+            return
+        lead = self.lead
+        lead.pool.release(self.send)
+        lead.pool.release(self.out)
+        nbytes = self.out.numel() * self.out.element_size()
+        lead.emit("all_gather", "all_gather", nbytes, start, (self.waited or 0.0) + blocked)
+
+
+def gather_together(units: Sequence[Unit], async_op: bool) -> None:
+    """Issue one all-gather for `units` (sharded, on the same `coalesce()` key), each member's
+    chunk after the previous one's in every rank's row ([Note: coalesced units])."""
+    lead = units[0]
+    mesh, transport, S = lead.mesh, lead.transport, lead.mesh.shard_size
+    dtype = lead.buckets[0].dtype
+    cols, total = [], 0
+    for u in units:
+        cols.append(total)
+        total += u.buckets[0].numel
+    streams = lead.ctx.streams if lead.ctx is not None else None
+    start = now()
+    with _on(streams and streams.copy_in):  # [Note: streams]
+        out = lead.pool.get(total * S, dtype, mesh.device)
+        send = transport.gather_buffer(total, dtype, mesh.device, lead.pool)
+        shard = send[:total]
+        dsts, srcs = [], []
+        for u, col in zip(units, cols):
+            g = u.buckets[0]
+            for p, off in zip(g.gathered, g.offsets):
+                dsts.append(shard[col + off : col + off + p.chunk_numel])
+                srcs.append(p.padded_shard.reshape(-1))
+            u.copied["gather_in"] += (g.numel * shard.element_size()
+                                      * (transport.size if transport.name == "all_to_all"
+                                         else 1))
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    done, blocked = None, 0.0
+    if streams is not None:
+        streams.all_gather.wait_stream(streams.copy_in)
+        with _on(streams.all_gather):
+            work = transport.all_gather(out, send, total, False, label=lead.label)
+            done = record(streams.all_gather)
+    else:
+        with Span() as call:
+            work = transport.all_gather(out, send, total, async_op, label=lead.label)
+        blocked = 0.0 if async_op else call.seconds
+    shared = SharedGather(lead, send, out, total, len(units))
+    for u, col in zip(units, cols):
+        u._gathers.append(PendingGather(u.buckets[0], None, out, work, start, blocked, done,
+                                        shared, col))
+        u._gather_size = transport.size
+        u.post_forward = None
+        u.state = ShardedState.GATHERING
 
 
 # --------------------------------------------------------------------------------------------------
@@ -565,24 +647,11 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
         return None  # one rank, no casts: the gradients already are the result
     start = now()
     dtype = unit.reduce_dtype_for[g.dtype]
-    # Which parameters this rank has no gradient for: known on the host, never read back.
-    missing = tuple(i for i, x in enumerate(grads) if x is None)
-    k = len(g.grad_params)
-    width = g.grad_numel + k
+    width = g.grad_numel + len(g.grad_params)
     # With S == 1 the packed buffer becomes the gradients: not pooled.
     send = (unit.pool.get(width * S, dtype, mesh.device) if S > 1
             else torch.empty(width, dtype=dtype, device=mesh.device))
-    rows = send.view(S, width)
-    scale, post = divide(unit, dtype)
-    for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-        pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
-        p.drop_local_grad()
-    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
-    # a zero column per missing gradient (no host list copied to the device).
-    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, mesh.device))
-    for i in missing:
-        rows[:, g.grad_numel + i].zero_()
-    unit.copied["pack"] += send.numel() * send.element_size()
+    missing, post = _pack(unit, g, grads, send.view(S, width))
     if S > 1:
         out = torch.empty(width, dtype=dtype, device=mesh.device)
         streams = unit.ctx.streams if unit.ctx is not None else None
@@ -614,6 +683,135 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
     return PendingReduce(unit, g, None, send, work, start, missing, post)
+
+
+def _pack(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None],
+          rows: torch.Tensor) -> tuple[tuple[int, ...], float]:
+    """Pack the bucket's gradients and flags into `rows` (S, grad_numel + flags), dropping
+    the unsharded gradients; (the indices this rank had no gradient for, what is left to
+    divide by after the sum)."""
+    dtype = rows.dtype
+    # Which parameters this rank has no gradient for: known on the host, never read back.
+    missing = tuple(i for i, x in enumerate(grads) if x is None)
+    scale, post = divide(unit, dtype)
+    for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
+        pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
+        p.drop_local_grad()
+    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
+    # a zero column per missing gradient (no host list copied to the device).
+    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, rows.device))
+    for i in missing:
+        rows[:, g.grad_numel + i].zero_()
+    unit.copied["pack"] += rows.numel() * rows.element_size()
+    return missing, post
+
+
+class GroupReduce:
+    """A group's gradients in one reduce buffer, reduced by one reduce-scatter ([Note:
+    coalesced units] in schedule.py). Each member owns a fixed span of every rank's row,
+    in group order, whichever order the members pack in; a span nobody packed by the time
+    the batch is issued is zeros (every rank leaves the same spans, so no rank reads them)."""
+
+    def __init__(self, members: Sequence[Unit]) -> None:
+        self.members = list(members)
+        c = next((c for m in members if (c := m.coalesce()) is not None), None)
+        self.key = None if c is None else c.key
+        self.spans: dict[int, tuple[int, int]] = {}
+        width = 0
+        for m in members:
+            mc = m.coalesce()
+            if mc is None or mc.key != self.key:
+                continue
+            g = m.buckets[0]
+            w = g.grad_numel + len(g.grad_params)
+            self.spans[id(m)] = (width, w)
+            width += w
+        self.width = width
+        self.rows: torch.Tensor | None = None
+        self.packed: list[tuple[Unit, int, int, tuple[int, ...], float]] = []
+        self.start = 0.0
+
+    def accepts(self, unit: Unit) -> bool:
+        span = self.spans.get(id(unit))
+        return span is not None and all(id(unit) != id(u[0]) for u in self.packed) and (
+            (c := unit.coalesce()) is not None and c.key == self.key)
+
+    def pack(self, unit: Unit) -> None:
+        g = unit.buckets[0]
+        grads = [p.local_grad() for p in g.grad_params]
+        if self.rows is None:
+            self.start = now()
+            S = unit.mesh.shard_size
+            dtype = unit.reduce_dtype_for[g.dtype]
+            self.rows = unit.pool.get(self.width * S, dtype, unit.mesh.device).view(
+                S, self.width)
+        off, w = self.spans[id(unit)]
+        missing, post = _pack(unit, g, grads, self.rows[:, off : off + w])
+        self.packed.append((unit, off, w, missing, post))
+
+    def issue(self) -> Sequence[GroupPending]:
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return ()  # nobody packed: alike on every rank, no collective
+        packed = {id(u) for u, *_ in self.packed}
+        for m in self.members:
+            if id(m) in self.spans and id(m) not in packed:
+                off, w = self.spans[id(m)]
+                rows[:, off : off + w].zero_()
+        lead = self.packed[0][0]
+        mesh = lead.mesh
+        send = rows.view(-1)
+        out = torch.empty(self.width, dtype=rows.dtype, device=mesh.device)
+        streams = lead.ctx.streams if lead.ctx is not None else None
+        done = None
+        if streams is not None:
+            rs = streams.reduce_scatter  # [Note: streams], as reduce_bucket
+            rs.wait_stream(torch.cuda.current_stream(mesh.device))
+            with torch.cuda.stream(rs):
+                work = lead.transport.reduce_scatter(out, send, False, lead.pool,
+                                                     label=lead.label)
+                done = record(rs)
+        else:
+            work = lead.transport.reduce_scatter(out, send, True, lead.pool,
+                                                 label=lead.label)
+        return (GroupPending(lead, send, out, work, self.start, list(self.packed), done),)
+
+
+@dataclass(eq=False)
+class GroupPending:
+    """A group's reduce-scatter in flight; finishing writes every member's gradients."""
+
+    unit: Unit  # the first member that packed (named in the schedule's log)
+    send: torch.Tensor
+    out: torch.Tensor
+    work: Work
+    start: float
+    packed: list[tuple[Unit, int, int, tuple[int, ...], float]]
+    done: Any = None
+    finished: bool = False
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        lead = self.unit
+        if self.done is not None:
+            waited = ExposedWait(self.done, bool(lead.ctx and lead.ctx.sinks)).seconds
+            out = self.out
+        else:
+            with Span() as wait:
+                out = self.work.wait()
+            waited = wait.seconds
+        nbytes = out.numel() * out.element_size()
+        if lead.mesh.transport.name != "native":
+            lead.copied["reduce_sum"] += nbytes
+        lead.emit("reduce_scatter", "reduce_scatter", nbytes * lead.mesh.shard_size,
+                  self.start, waited)
+        lead.pool.release(self.send)
+        for u, off, w, missing, post in self.packed:
+            part = out[off : off + w]
+            finish_reduce(u, PendingReduce(u, u.buckets[0], None, part, Work(None, part),
+                                           self.start, missing, post, finished=True))
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -924,6 +1122,9 @@ class Unit:
         # reduction that all-reduces adds it in (unit.py, [Note: deferred all-reduce]).
         self.requires_all_reduce = True
         self.partial_reduce: dict[int, torch.Tensor] = {}
+        # [Note: coalesced units] in schedule.py: the most all-gather bytes a group holding
+        # this unit may gather in one collective (0: this unit gathers alone).
+        self.coalesce_bytes = DEFAULT_COALESCE_BYTES
         self.params: list[ShardedParam] = []
         self.set_params(params)
 
@@ -968,6 +1169,27 @@ class Unit:
             self.reshard()
             self.set_params(self.params)
 
+    def coalesce(self) -> Coalesce | None:
+        """This unit's terms for sharing its all-gather and reduce-scatter with neighbours
+        ([Note: coalesced units] in schedule.py); None: it gathers and reduces alone. Only
+        the plain path coalesces: one bucket, a sharded group with no replicas, the mesh's
+        own transport, no all-gather extensions, no hpZ, no all-reduce hook."""
+        mesh = self.mesh
+        if (self.coalesce_bytes <= 0 or mesh.shard_size == 1 or mesh.replicate_size > 1
+                or len(self.buckets) != 1 or self.ext_params or self.hpz is not None
+                or self.transport is not mesh.transport or self.all_reduce_hook is not None):
+            return None
+        g = self.buckets[0]
+        if g.numel == 0:
+            return None
+        t = self.transport
+        key = (t.name, id(t.group), mesh.device, g.dtype, self.reduce_dtype_for[g.dtype])
+        return Coalesce(key, g.numel * mesh.shard_size * g.dtype.itemsize, self.coalesce_bytes)
+
+    def open_batch(self, members: Sequence[Unit]) -> GroupReduce:
+        """An empty reduce batch for `members` (the schedule's group, in order)."""
+        return GroupReduce(members)
+
     @property
     def reshards_after_forward(self) -> bool:
         """Whether forward frees the full parameters: FSDP2's rule, where the root keeps
@@ -995,14 +1217,23 @@ class Unit:
 
     # ---- the gather half: unshard / wait_unshard / reshard ----
 
-    def unshard(self, async_op: bool = True) -> None:
-        """Issue the all-gather (idempotent: no-op unless SHARDED)."""
+    def unshard(self, async_op: bool = True, together: Sequence[Unit] = ()) -> None:
+        """Issue the all-gather (idempotent: no-op unless SHARDED). `together`: the sharded
+        members of this unit's group, this one among them, gathered in one all-gather
+        ([Note: coalesced units] in schedule.py)."""
         if self.state is not ShardedState.SHARDED:
             return
         # FSDP2 asks each shard for its all-gather hooks at every gather: hooks patched onto
         # a shard after the first forward gather from the next one on.
-        if any([p.refresh_extension() for p in self.params]):
-            self.set_params(self.params)
+        for u in together or (self,):
+            if any([p.refresh_extension() for p in u.params]):
+                u.set_params(u.params)
+        if together:
+            c = self.coalesce()
+            if c is not None and all((m.coalesce() or c).key == c.key for m in together) and all(
+                    m.coalesce() is not None for m in together):
+                gather_together(together, async_op)
+                return
         S, transport = self.mesh.shard_size, self.transport
         # [Note: hpZ] The rows kept after forward serve the backward that follows only.
         kept, self.post_forward = self.post_forward, None
@@ -1106,24 +1337,20 @@ class Unit:
         S = self.mesh.shard_size
         with torch.no_grad():
             for pg in self._gathers:
+                shared = pg.shared
+                if shared is not None:  # [Note: coalesced units]
+                    # Waited once (CUDA: every member's stream waits for the event).
+                    if shared.waited is None or pg.done is not None:
+                        w = self._wait(pg)
+                        shared.waited = w if shared.waited is None else shared.waited
+                    rows = shared.rows(S, pg.col, pg.bucket.numel)
+                    self._copy_out(pg, rows)
+                    shared.release(pg.start, pg.blocked)
+                    continue
                 waited = self._wait(pg)
                 self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
-                for p in pg.bucket.gathered:
-                    p.alloc_unsharded()
-                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
-                # views so the copy does not bump the autograd version counter that tensors
-                # saved in forward check in backward (they alias this storage).
-                dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
-                if all(d is not None for d in dsts):
-                    torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
-                else:
-                    # A parameter on another dim is copied into its own layout
-                    # ([Note: layout] in sharded_param.py), on this (compute) stream too.
-                    for p, part in zip(pg.bucket.gathered,
-                                       rows.split(pg.bucket.sizes, dim=1)):
-                        p.copy_out(part)
-                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
+                self._copy_out(pg, rows)
                 self.pool.release(pg.out)
                 self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
                            pg.start, waited + pg.blocked)
@@ -1140,6 +1367,23 @@ class Unit:
                 ref.module._parameters[ref.name] = p.unsharded
         self._gathered_versions = [p.sharded._version for p in self.params]
         self.state = ShardedState.UNSHARDED
+
+    def _copy_out(self, pg: PendingGather, rows: torch.Tensor) -> None:
+        """The gathered (S, chunk) rows of one bucket into its unsharded parameters."""
+        for p in pg.bucket.gathered:
+            p.alloc_unsharded()
+        # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
+        # views so the copy does not bump the autograd version counter that tensors
+        # saved in forward check in backward (they alias this storage).
+        dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
+        if all(d is not None for d in dsts):
+            torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
+        else:
+            # A parameter on another dim is copied into its own layout
+            # ([Note: layout] in sharded_param.py), on this (compute) stream too.
+            for p, part in zip(pg.bucket.gathered, rows.split(pg.bucket.sizes, dim=1)):
+                p.copy_out(part)
+        self.copied["gather_out"] += rows.numel() * rows.element_size()
 
     def _finish_extensions(self, pg: ExtGather) -> None:
         self._ext_gather = None
@@ -1227,7 +1471,7 @@ class Unit:
         return self.unsynced or any(p.has_local_grad() for g in self.buckets
                                     for p in g.grad_params)
 
-    def reduce_grads(self) -> Sequence[PendingReduce]:
+    def reduce_grads(self, batch: GroupReduce | None = None) -> Sequence[PendingReduce]:
         """The unit's backward is over: reduce its gradients (async); the schedule reshards.
 
         May run more than once per backward (a unit used by several forwards): each call
@@ -1240,6 +1484,11 @@ class Unit:
         # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
         self.unsynced = not self.requires_grad_sync
         if self.requires_grad_sync:
+            if batch is not None and batch.accepts(self):
+                # [Note: coalesced units]: packed now, reduced with the group's batch.
+                with torch.no_grad():
+                    batch.pack(self)
+                return ()
             return self._reduce_grads()
         self._accumulate_unsynced()
         return ()
