@@ -77,6 +77,7 @@ TRAIN_CASES = [
     train("shard.mixed_precision", "int8", "shard.mixed_precision='int8' is not one of: fp32, "
           "bf16, fp16"),
     train("shard.cpu_offload", "maybe", "shard.cpu_offload='maybe' is not a valid bool"),
+    train("shard.coalesce_bytes", "-5", "shard.coalesce_bytes=-5 must be >= 0"),
     train("parallel.tp", "0", "parallel.tp=0 must be > 0"),
     train("parallel.tp", "3", "parallel.tp=3 must divide model.n_head=4"),
     cli("train --parallel.tp 2 --shard.sharding_strategy HYBRID_SHARD", "HYBRID_SHARD",
