@@ -37,9 +37,16 @@ class ReplayUnit:
         self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
         self.unreduced = False  # full gradients exist that were not reduced yet
+        # [Note: coalesced units] in engine/core/schedule.py: this unit's terms (None: alone).
+        self.terms: Coalesce | None = None
 
     def unshard(self, async_op: bool = True, together: Sequence[Any] = ()) -> None:
         if self.state is not ShardedState.SHARDED:
+            return
+        if together:
+            self._issue_group_gather(together)
+            for m in together:
+                m.state = ShardedState.GATHERING
             return
         self._issue_gather()
         self.state = ShardedState.GATHERING
@@ -63,10 +70,13 @@ class ReplayUnit:
 
     def reduce_grads(self, batch: Any = None) -> Sequence[PendingReduce]:
         self.unreduced = False
+        if batch is not None:
+            batch.pack(self)
+            return ()
         return self._issue_reduce()
 
     def coalesce(self) -> Coalesce | None:
-        return None
+        return self.terms
 
     def open_batch(self, members: Sequence[Any]) -> ReduceBatch:
         raise NotImplementedError
@@ -74,6 +84,9 @@ class ReplayUnit:
     # What each replay counts.
 
     def _issue_gather(self) -> None:
+        raise NotImplementedError
+
+    def _issue_group_gather(self, members: Sequence[Any]) -> None:
         raise NotImplementedError
 
     def _gathered(self) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.core.policies import CONFIG_STRATEGY_NAMES as STRATEGIES
-from ..engine.core.unit import DEFAULT_COALESCE_BYTES
+from ..engine.core.policies import DEFAULT_COALESCE_BYTES
 from .config_outputs import CheckpointSection, LogSection, LoraSection
 from .model import PRESETS, GPTConfig, preset
 from .validate import check as _check

@@ -20,12 +20,14 @@ from ..core.dtensor import TPContext, context_for, context_for_dims
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.layout import shard_dim_for
 from ..core.policies import (
+    DEFAULT_COALESCE_BYTES,
     CPUOffloadPolicy,
     MeshInfo,
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicy,
     WrapPolicyLike,
+    check_coalesce_bytes,
     check_fsdp1_ignored_classes,
     check_module,
     check_params,
@@ -37,7 +39,7 @@ from ..core.policies import (
 )
 from ..core.schedule import ShardedState
 from ..core.sharded_param import ParamRef, ShardedParam, is_subclass
-from ..core.unit import DEFAULT_COALESCE_BYTES, BufferPool, Unit, check_hpz
+from ..core.unit import BufferPool, Unit, check_hpz
 from ..core.unit import enable as enable_hpz
 from .sharded_module import check_reshard_after_forward, own_unit, sharded_class, watch_optimizers
 from .state import install_state_dict_hooks, register_torch_state, state_of
@@ -189,17 +191,6 @@ def check_modules(module: object) -> list[nn.Module]:
         if own_unit(m) is not None:
             raise ValueError(f"{type(m).__name__} is already sharded")
     return modules
-
-
-def check_coalesce_bytes(value: object) -> int:
-    """fully_shard's `coalesce_bytes`: None (the default budget) or an int >= 0."""
-    if value is None:
-        return DEFAULT_COALESCE_BYTES
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"coalesce_bytes={value!r} must be None (the default, "
-                         f"{DEFAULT_COALESCE_BYTES} bytes) or an int >= 0 (0: each unit "
-                         "gathers and reduces alone)")
-    return value
 
 
 def check_options(modules: list[nn.Module], reshard_after_forward: object, mp_policy: object,

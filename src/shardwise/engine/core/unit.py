@@ -32,7 +32,7 @@ from ..comm.transport import Transport, transport_for
 from ..comm.work import Work
 from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
-from .policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
+from .policies import DEFAULT_COALESCE_BYTES, CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
 from .schedule import Coalesce, Schedule, ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
@@ -149,12 +149,6 @@ class UnitContext(Protocol):
 #
 # On CUDA a buffer crosses streams ([Note: streams] in unit.py): the stream that releases it
 # records an event, and the stream that takes it next waits for that event before using it.
-
-
-# [Note: coalesced units] in schedule.py. The default budget: units whose all-gather output
-# is this small or smaller share collectives with their neighbours up to this many bytes.
-# Chosen by measurement (benchmarks/coalesce.py, benchmarks/RESULTS.md "Issue 43").
-DEFAULT_COALESCE_BYTES = 1 << 20
 
 
 class BufferPool:
