@@ -462,8 +462,10 @@ class Schedule(Generic[U]):
         g = self.groups.get(id(unit)) if self.groups else None
         if g is None or self.state is TrainingState.IDLE:
             return ()
+        backward = self.state is TrainingState.PRE_BACKWARD
         members = [m for m in g.members if m.state is ShardedState.SHARDED
-                   and (c := m.coalesce()) is not None and c.key == g.key]
+                   and (c := m.coalesce()) is not None and c.key == g.key
+                   and not (backward and not _unshards_in_backward(m))]
         return members if len(members) > 1 and unit in members else ()
 
     def _gather(self, unit: U, together: Sequence[U]) -> None:

@@ -714,8 +714,8 @@ class GroupReduce:
         width = 0
         for m in members:
             mc = m.coalesce()
-            if mc is None or mc.key != self.key:
-                continue
+            if mc is None or mc.key != self.key or not m.buckets[0].grad_params:
+                continue  # (a frozen member reduces nothing: reduce_grads passes it by)
             g = m.buckets[0]
             w = g.grad_numel + len(g.grad_params)
             self.spans[id(m)] = (width, w)
