@@ -843,6 +843,9 @@ class UnsureGrads:
                 e[3] = True  # it has a gradient whatever the counts; its hooks ran then
 
     def settle(self) -> None:
+        if not self.entries:  # every unit, every backward: nothing was missing here
+            self.seen.clear()
+            return
         entries = [e for e in self.entries.values() if not e[3]]
         self.clear()
         if not entries:
