@@ -30,6 +30,7 @@ from ..comm import collectives as C
 from ..comm.process_group import block_group
 from ..comm.transport import Transport, transport_for
 from ..comm.work import Work
+from . import dtensor as DT
 from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
 from .policies import DEFAULT_COALESCE_BYTES, CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
@@ -229,12 +230,23 @@ class FlatBucket:
     # (made once per layout: the bucket is rebuilt when the layout changes).
     _all_flags: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
+    # What the per-step loops read (BucketHot), made at first use.
+    _hot: BucketHot | None = None
+
     def all_flags(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         ones = self._all_flags.get(dtype)
         if ones is None:
             ones = self._all_flags[dtype] = torch.ones(len(self.grad_params), dtype=dtype,
                                                        device=device)
         return ones
+
+    def hot(self) -> BucketHot:
+        """The bucket's per-step views and lists; remade after any parameter was rebuilt
+        (`ShardedParam.rebuilds`), the bucket itself being remade when the layout changes."""
+        h = self._hot
+        if h is None or h.rebuilds != ShardedParam.rebuilds:
+            h = self._hot = BucketHot(self)
+        return h
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -247,6 +259,71 @@ class FlatBucket:
                 self.grad_params.append(p)
                 self.grad_offsets.append(self.grad_numel)
                 self.grad_numel += p.chunk_numel
+
+
+class BucketHot:
+    """One bucket's parameters as the per-step loops use them, computed once per layout:
+    per step a unit then pays one op per bucket, not one call chain per parameter (the
+    host's cost of a small unit, issue 43; [Note: layout] in sharded_param.py)."""
+
+    def __init__(self, g: FlatBucket) -> None:
+        self.rebuilds = ShardedParam.rebuilds
+        # The gathered parameters' unsharded storages and their sizes (direct ones have
+        # none: the sharded parameter is the unsharded one).
+        self.allocs = [(p._storage, p._nbytes) for p in g.gathered
+                       if not p.direct and p._storage is not None]
+        # Where the gathered rows go, (S, chunk) each: None when a parameter on another dim
+        # is copied into its own layout instead (`ShardedParam.copy_out`).
+        dsts = [p.unsharded_rows_view() for p in g.gathered]
+        self.rows_dsts = dsts if all(d is not None for d in dsts) else None
+        # One rank (nothing gathered): the shards straight into the unsharded parameters,
+        # one fused copy for the dim-0 ones, `copy_out` for the others.
+        local = [p for p in g.gathered if not p.direct]
+        self.local_dsts = [p._rows for p in local if p._rows is not None]
+        self.local_srcs = [p.padded_shard.view(1, -1) for p in local if p._rows is not None]
+        self.local_other = [p for p in local if p._rows is None]
+        # Per gradient parameter: its rows in the reduce output and the shape of `local`.
+        self.grads = [(p, off, p.local_rows * p.row_numel, p.local.shape)
+                      for p, off in zip(g.grad_params, g.grad_offsets)]
+        # Packing as one concatenation of (S, chunk) views: each gradient splits into S
+        # equal chunks (dim 0, no padding row, not 0-d), as `pack_grad` would lay it out.
+        self.grad_rows = [(p.shard_size, p.chunk_numel) for p in g.grad_params]
+        self.pack_fused = all(p.shard_dim == 0 and not p.scalar and p.chunk_rows > 0
+                              and p.dim0 == p.shard_size * p.chunk_rows
+                              for p in g.grad_params)
+
+
+class UnitHot:
+    """A unit's per-layout lists for the per-step swaps, frees and checks (see BucketHot)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.rebuilds = ShardedParam.rebuilds
+        places = [(ref.module._parameters, ref.name, p) for p in unit.params for ref in p.refs]
+        # What the modules hold unsharded and sharded, per place a module refers to.
+        self.to_unsharded = [(d, n, p.unsharded) for d, n, p in places]
+        self.to_sharded = [(d, n, p.sharded) for d, n, p in places]
+        self.sharded = [p.sharded for p in unit.params]
+        self.frees = [p._storage for p in unit.params
+                      if not p.direct and p._storage is not None]
+        self.exts = [p.ext for p in unit.params if p.ext is not None]
+        # The tensor each parameter's all-gather hooks would be found on, and whether it had
+        # them: `extensions_changed` asks both names of each, as refresh_extension does.
+        self.probe = [(DT.local_of(p.sharded), p.ext is not None) for p in unit.params]
+        # Where the user's requires_grad flag is read (follow_requires_grad).
+        self.flags = [(p.refs[0].module._parameters, p.refs[0].name, p) for p in unit.params]
+
+    def extensions_changed(self) -> bool:
+        """Whether some parameter's shard gained or lost FSDP2's all-gather hooks."""
+        for t, had in self.probe:
+            if (hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather")) != had:
+                return True
+        return False
+
+
+def _alloc_all(allocs: list[tuple[Any, int]]) -> None:
+    for storage, nbytes in allocs:
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
 
 
 @dataclass
@@ -350,6 +427,13 @@ def prescale(factor: float) -> float | None:
     if factor == 1 or factor <= 0 or math.frexp(factor)[0] != 0.5:
         return None
     return 1.0 / factor
+
+
+# A scaled fused pack copies, then scales in place: two passes over the buffer where the
+# per-parameter `pack_grad` makes one. Below this many elements the per-parameter calls
+# cost more than the second pass. Only where the gradients are in the reduce dtype: a cast
+# before the scale rounds as the per-parameter pack (which scales, then casts) may not.
+_FUSED_SCALED_MAX = 1 << 16
 
 
 def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
@@ -688,14 +772,28 @@ def _pack(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None],
     # Which parameters this rank has no gradient for: known on the host, never read back.
     missing = tuple(i for i, x in enumerate(grads) if x is None)
     scale, post = divide(unit, dtype)
-    for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-        pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
-        p.drop_local_grad()
-    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
-    # a zero column per missing gradient (no host list copied to the device).
-    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, rows.device))
-    for i in missing:
-        rows[:, g.grad_numel + i].zero_()
+    hot = g.hot()
+    S, k = rows.shape[0], len(g.grad_params)
+    if hot.pack_fused and not missing and rows.is_contiguous() and (scale is None or (
+            dtype == g.dtype and rows.numel() <= _FUSED_SCALED_MAX)):
+        # The whole row in one op: each gradient's S chunks and the flags (all ones, no
+        # gradient missing), rank-major, as `pack_grad` lays them out one by one. (A
+        # group's span is a strided view of its buffer: packed one by one below.)
+        torch.cat([*(x.reshape(shape) for x, shape in zip(grads, hot.grad_rows)),  # type: ignore[union-attr]
+                   g.all_flags(dtype, rows.device).expand(S, k)], dim=1, out=rows)
+        if scale is not None:
+            rows[:, : g.grad_numel].mul_(scale)
+        for p in g.grad_params:
+            p.drop_local_grad()
+    else:
+        for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
+            pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
+            p.drop_local_grad()
+        # [Note: unused gradients] flags, written on the device: ones (made once per
+        # layout), a zero column per missing gradient (no host list copied to the device).
+        rows[:, g.grad_numel :].copy_(g.all_flags(dtype, rows.device))
+        for i in missing:
+            rows[:, g.grad_numel + i].zero_()
     unit.copied["pack"] += rows.numel() * rows.element_size()
     return missing, post
 
@@ -886,27 +984,27 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     if hook is not None and not unit.force_sum_reduction:
         _run_hook(unit, hook, out[:n_grad])
     missing = set(pr.missing)
-    with torch.no_grad():
-        for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
-            n = p.local_rows * p.row_numel
-            grad = out[off : off + n].view(p.local.shape)
-            have = p.shard_grad
-            hooked = p.post_accumulate_hooks()
+    unsure = unit.unsure
+    with _NoGrad():
+        for i, (p, off, n, shape) in enumerate(pr.bucket.hot().grads):
+            grad = out[off : off + n].view(shape)
+            fresh = p.sharded.grad is None
             if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                grad = _to_host(unit, grad, p, have is None, bool(hooked))
+                grad = _to_host(unit, grad, p, fresh, bool(p.post_accumulate_hooks()))
                 unit.copied["reduce_out"] += n * grad.element_size()
             if i in missing:
                 # Its count may be 0 (no rank computed it): read once, at the end of backward.
-                unit.unsure.note(p, have is None, out[n_grad + i : n_grad + i + 1])
+                unsure.note(p, fresh, out[n_grad + i : n_grad + i + 1])
             else:
-                unit.unsure.used(p)
-            if p.direct or have is None:
+                unsure.used(p)
+            if p.direct or fresh:
                 # Direct params accumulated locally; the reduced sum replaces it.
                 p.set_shard_grad(grad)
                 if p.direct:
                     p.mark_reduced()
             else:
-                have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+                # The DTensor gradient's local tensor: no dispatch.
+                p.shard_grad.add_(grad)  # type: ignore[union-attr]
             if i not in missing:
                 p.run_post_accumulate_hooks()
 
@@ -933,11 +1031,15 @@ class UnsureGrads:
 
     def used(self, p: ShardedParam) -> None:
         self.seen.add(id(p))
-        e = self.entries.get(id(p))
-        if e is not None:
-            e[3] = True  # it has a gradient whatever the counts; its hooks ran then
+        if self.entries:
+            e = self.entries.get(id(p))
+            if e is not None:
+                e[3] = True  # it has a gradient whatever the counts; its hooks ran then
 
     def settle(self) -> None:
+        if not self.entries:  # every unit, every backward: nothing was missing here
+            self.seen.clear()
+            return
         entries = [e for e in self.entries.values() if not e[3]]
         self.clear()
         if not entries:
@@ -1023,6 +1125,20 @@ def _to_host(unit: Unit, grad: torch.Tensor, p: ShardedParam, fresh: bool,
     if non_blocking:
         unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
     return dst
+
+
+class _NoGrad:
+    """`torch.no_grad()` for the per-step paths: the same switch, without the decorator
+    machinery torch's class runs on entry (five Python calls, several times per unit)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
 
 
 def _on(stream: Any) -> Any:
@@ -1120,6 +1236,8 @@ class Unit:
         # this unit may gather in one collective (0: this unit gathers alone).
         self.coalesce_bytes = DEFAULT_COALESCE_BYTES
         self.params: list[ShardedParam] = []
+        # The per-step lists of this layout (UnitHot), made at first use.
+        self._hot: UnitHot | None = None
         self.set_params(params)
 
     # --- parameters ------------------------------------------------------------------
@@ -1128,6 +1246,7 @@ class Unit:
         """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
         assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
         self.params = list(params)
+        self._hot = None
         self.post_forward = None
         assert not self.partial_reduce, "layout changes only without deferred reductions"
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
@@ -1138,6 +1257,13 @@ class Unit:
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
+
+    def hot(self) -> UnitHot:
+        """This layout's per-step lists, remade after any parameter was rebuilt."""
+        h = self._hot
+        if h is None or h.rebuilds != ShardedParam.rebuilds:
+            h = self._hot = UnitHot(self)
+        return h
 
     def follow_requires_grad(self) -> None:
         """Take up `requires_grad` changes the user made since sharding (between steps).
@@ -1151,10 +1277,11 @@ class Unit:
         # callback was finished): what a backward that raised left of its unused-gradient
         # counts belongs to no step, and added to the next one's kept a gradient no rank
         # computed ([Note: unused gradients], UnsureGrads). reset_iter_state leaves them.
-        self.unsure.clear()
+        if self.unsure.entries or self.unsure.seen:
+            self.unsure.clear()
         changed = False
-        for p in self.params:
-            held = p.refs[0].module._parameters.get(p.refs[0].name)
+        for params, name, p in self.hot().flags:
+            held = params.get(name)
             want = held.requires_grad if held is not None else p.requires_grad
             if want != p.requires_grad:
                 changed = True
@@ -1220,7 +1347,8 @@ class Unit:
         # FSDP2 asks each shard for its all-gather hooks at every gather: hooks patched onto
         # a shard after the first forward gather from the next one on.
         for u in together or (self,):
-            if any([p.refresh_extension() for p in u.params]):
+            if u.hot().extensions_changed() and any([p.refresh_extension()
+                                                     for p in u.params]):
                 u.set_params(u.params)
         if together:
             c = self.coalesce()
@@ -1329,7 +1457,7 @@ class Unit:
         if self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
         S = self.mesh.shard_size
-        with torch.no_grad():
+        with _NoGrad():
             for pg in self._gathers:
                 shared = pg.shared
                 if shared is not None:  # [Note: coalesced units]
@@ -1351,26 +1479,30 @@ class Unit:
             if self._ext_gather is not None:
                 self._finish_extensions(self._ext_gather)
             if S == 1:
-                for p in self.params:
-                    if not p.direct and p.ext is None:
-                        p.alloc_unsharded()
+                for g in self.buckets:
+                    hot = g.hot()
+                    _alloc_all(hot.allocs)
+                    if hot.local_dsts:
+                        torch._foreach_copy_(hot.local_dsts, hot.local_srcs,
+                                             non_blocking=True)
+                    for p in hot.local_other:
                         p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
         self._gathers.clear()
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.unsharded
-        self._gathered_versions = [p.sharded._version for p in self.params]
+        uh = self.hot()  # after the extensions' post hooks, which may make new parameters
+        for params, name, t in uh.to_unsharded:
+            params[name] = t
+        self._gathered_versions = [t._version for t in uh.sharded]
         self.state = ShardedState.UNSHARDED
 
     def _copy_out(self, pg: PendingGather, rows: torch.Tensor) -> None:
         """The gathered (S, chunk) rows of one bucket into its unsharded parameters."""
-        for p in pg.bucket.gathered:
-            p.alloc_unsharded()
+        hot = pg.bucket.hot()
+        _alloc_all(hot.allocs)
         # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
         # views so the copy does not bump the autograd version counter that tensors
         # saved in forward check in backward (they alias this storage).
-        dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
-        if all(d is not None for d in dsts):
+        dsts = hot.rows_dsts
+        if dsts is not None:
             torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
         else:
             # A parameter on another dim is copied into its own layout
@@ -1406,7 +1538,7 @@ class Unit:
         """
         if self.state is not ShardedState.UNSHARDED:
             return False
-        if [p.sharded._version for p in self.params] != self._gathered_versions:
+        if [t._version for t in self.hot().sharded] != self._gathered_versions:
             self.reshard()
             return False
         return not (self.unsynced or self.partial_reduce)
@@ -1445,10 +1577,14 @@ class Unit:
         if (self.hpz is not None and self.training_state is TrainingState.FORWARD
                 and torch.is_grad_enabled() and not self.ext_params):
             self.post_forward = keep(self, self.hpz)
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.sharded
-            p.free_unsharded()
+        uh = self.hot()
+        for params, name, t in uh.to_sharded:
+            params[name] = t
+        for ext in uh.exts:
+            ext.free()
+        for storage in uh.frees:  # ShardedParam.free_unsharded, per unit
+            if storage.nbytes() != 0:
+                storage.resize_(0)
         self.state = ShardedState.SHARDED
         self.emit("reshard", "", 0, start)
 
@@ -1502,7 +1638,7 @@ class Unit:
                 p.unsharded.grad = None
 
     def _reduce_grads(self) -> list[PendingReduce]:
-        with torch.no_grad():
+        with _NoGrad():
             pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
         return [pr for pr in pending if pr is not None]
 
