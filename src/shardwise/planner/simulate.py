@@ -202,10 +202,12 @@ class _SimBatch:
         self.send: torch.Tensor | None = None
         self.kept = 0
         self.lead: _SimUnit | None = None
+        self.packed: list[_SimUnit] = []
 
     def pack(self, unit: _SimUnit) -> None:
         c, sim = unit.cost, self.sim
         if c.reduce:
+            self.packed.append(unit)
             if self.send is None:
                 self.lead = unit
                 self.send = sim.get(self.width * sim.S, c.reduce[0][0])
@@ -221,12 +223,15 @@ class _SimBatch:
         extra = reduce_recv_numel(sim.transport, self.width, sim.S) * _size(rdtype)
         sim.t.add(out, "grads")
         sim.t.add(extra, "comm")
-        return (_SimReduce(self.lead, [(send, out, extra, self.kept)]),)
+        pr = _SimReduce(self.lead, [(send, out, extra, self.kept)])
+        pr.units = list(self.packed)
+        return (pr,)
 
 
 class _SimReduce:
     def __init__(self, unit: _SimUnit, parts: list) -> None:
         self.unit, self.parts = unit, parts
+        self.units = [unit]  # a group's: every member ([Note: coalesced units])
 
     def finish(self) -> None:
         sim = self.unit.sim

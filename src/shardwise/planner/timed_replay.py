@@ -21,6 +21,7 @@ from .replay import ReplayUnit, replay_backward, replay_forward
 class _Reduce:
     def __init__(self, unit: _TimedUnit, done: float) -> None:
         self.unit, self.done, self.finished = unit, done, False
+        self.units = [unit]  # a group's: every member ([Note: coalesced units])
 
     def finish(self) -> None:
         if self.finished:
@@ -96,7 +97,9 @@ class _TimedBatch:
             return ()
         r = self.replay
         done = r.issue_group("reduce_scatter", [u.i for u in self.packed], r.comp)
-        return (_Reduce(self.packed[0], done),)
+        pr = _Reduce(self.packed[0], done)
+        pr.units = list(self.packed)
+        return (pr,)
 
 
 class Replay:
@@ -162,8 +165,8 @@ class Replay:
 
     def issue_group(self, kind: str, units: list[int], at: float) -> float:
         """One collective for several units' buffers: their times less all but one fixed
-        latency. The timeline names units as the schedule's log does: an all-gather each
-        member (one entry each, the same interval), a reduce-scatter its first."""
+        latency. The timeline names each member, as the schedule's log does (one entry
+        each, the same interval)."""
         def total(f: Callable[[str, int, str], float] | None) -> float | None:
             return None if f is None else sum(f(kind, u, self.phase) for u in units)
 
@@ -180,7 +183,7 @@ class Replay:
             self.comp = max(self.comp, at) + d
             w = total(self.wire)
             self.comm = max(start + (d if w is None else w - saved), self.comp)
-        for u in units if kind == "all_gather" else units[:1]:
+        for u in units:
             self.timeline.append((kind, u, start, self.comm))
         return self.comm
 

@@ -378,8 +378,10 @@ class Schedule(Generic[U]):
         b, self._batch = self._batch, None
         assert b is not None
         reductions = b.handle.issue()
-        if reductions and self.log is not None:
-            self.log.append(("reduce", reductions[0].unit))
+        if self.log is not None:
+            # One entry per member whose gradients it carries, as if each reduced alone.
+            for pr in reductions:
+                self.log.extend(("reduce", u) for u in getattr(pr, "units", (pr.unit,)))
         self._add_pending(reductions)
 
     def end_backward(self) -> None:

@@ -562,7 +562,14 @@ class ShardedParam:
     def set_shard_grad(self, rows: torch.Tensor) -> None:
         """Make `rows` (plain, shaped like `local`) the sharded gradient."""
         face = self.from_rows(rows)
-        self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
+        if self.spec is None:
+            self.sharded.grad = face
+            return
+        # The parameter's own spec object (equal to `self.spec`): DTensor caches sharding
+        # propagation per spec, so a gradient with an equal but distinct spec pays a hash
+        # and a comparison in every optimizer op between the two (SGD's add_ took twice as
+        # long, issue 43).
+        self.sharded.grad = DT.wrap(face, getattr(self.sharded, "_spec", self.spec))
 
     # ---- post-accumulate-grad hooks ([Note: post-accumulate-grad hooks] in unit.py) ----
 

@@ -882,6 +882,11 @@ class GroupPending:
     done: Any = None
     finished: bool = False
 
+    @property
+    def units(self) -> list[Unit]:
+        """The members whose gradients it carries (the schedule's log names each)."""
+        return [u for u, *_ in self.packed]
+
     def finish(self) -> None:
         if self.finished:
             return
