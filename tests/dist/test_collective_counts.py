@@ -101,16 +101,16 @@ def test_all_to_all_transport_issues_as_many_collectives_as_fsdp2(world: int,
             f"(all counts: {_report(counts)})")
 
 
-# [Note: coalesced units]: the default budget (1 MiB) against each unit alone. 'small' (4
-# blocks of ~110 KB and the root) is one group; 'bench30m' (10 blocks) cuts into two, the
-# root and 8 blocks, then 2 blocks. Per group and step: one all-gather forward, one in
-# backward (the blocks' gathers: the root stays gathered from forward), one reduce-scatter.
+# [Note: coalesced units]: the default budget (4 MiB) against each unit alone. Both presets'
+# units (blocks of ~110 KB and the root) make one group. Per step: one all-gather in forward,
+# one in backward (the blocks': the root stays gathered from forward; none under
+# SHARD_GRAD_OP), one reduce-scatter.
 COALESCED = {
     ("shardwise coalesced", "small"): {"all_gather": 2, "reduce_scatter": 1},
-    ("shardwise coalesced", "bench30m"): {"all_gather": 4, "reduce_scatter": 2},
+    ("shardwise coalesced", "bench30m"): {"all_gather": 2, "reduce_scatter": 1},
     ("shardwise SHARD_GRAD_OP coalesced", "small"): {"all_gather": 1, "reduce_scatter": 1},
-    ("shardwise SHARD_GRAD_OP coalesced", "bench30m"): {"all_gather": 2,
-                                                         "reduce_scatter": 2},
+    ("shardwise SHARD_GRAD_OP coalesced", "bench30m"): {"all_gather": 1,
+                                                         "reduce_scatter": 1},
 }
 
 

@@ -415,7 +415,7 @@ def fully_shard(
     live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/dtensor.py).
     `coalesce_bytes`: this unit may share one all-gather and one reduce-scatter with its
     neighbours in forward order while their gathered bytes together stay within it (None:
-    1 MiB, `DEFAULT_COALESCE_BYTES`; 0: it gathers and reduces alone, as FSDP2 does;
+    4 MiB, `DEFAULT_COALESCE_BYTES`; 0: it gathers and reduces alone, as FSDP2 does;
     [Note: coalesced units] in core/schedule.py).
     """
     coalesce = check_coalesce_bytes(coalesce_bytes)

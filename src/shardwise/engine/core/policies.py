@@ -749,7 +749,7 @@ def _span(units: Iterable[Any]) -> tuple[set[int], list[ProcessGroup | None]]:
 # [Note: coalesced units] in schedule.py. The default budget: units whose all-gather output
 # is this small or smaller share collectives with their neighbours up to this many bytes.
 # Chosen by measurement (benchmarks/coalesce.py, benchmarks/RESULTS.md "Issue 43").
-DEFAULT_COALESCE_BYTES = 1 << 20
+DEFAULT_COALESCE_BYTES = 4 << 20
 
 
 def check_coalesce_bytes(value: object) -> int:
