@@ -302,7 +302,7 @@ def moe_layer_counts(rank: int, world: int) -> dict[str, Any]:
     os.environ["SHARDWISE_GLOO_NATIVE"] = "1"
     torch.manual_seed(0)
     model = M.Net()
-    M._shard_hand(model, "layers")
+    M._shard_hand(model, "layers", coalesce_bytes=0)  # each unit's own collectives, counted
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reads, copies = [0], [0]
     real, real_tensor = torch.Tensor.tolist, torch.tensor
