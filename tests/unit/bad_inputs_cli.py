@@ -172,6 +172,7 @@ PLAN_CASES = [
     cli("plan --params 1e9 --ranks-per-node 0", "0", "--ranks-per-node=0"),
     cli("plan --params 1e9 --batch-size 0", "0", "--batch-size=0"),
     cli("plan --params 1e9 --seq-len -1", "-1", "--seq-len=-1"),
+    cli("plan --params 1e9 --coalesce-bytes -3", "-3", "coalesce_bytes=-3 must be None"),
     cli("plan --params 1e9 --activation-checkpointing=yes", "yes", IGNORED),
     cli("plan --params 1e9 --cpu-offload=yes", "yes", IGNORED),
     cli("plan --params 1e9 --wrap size", "size", "argument --wrap: invalid choice: 'size'"),
