@@ -34,19 +34,23 @@ from shardwise.testing import run_distributed
 UNITS = 96
 WIDTH = 32
 BATCH = 4
-SYSTEMS = ("unsharded", "shardwise", "FSDP2")
+# "shardwise": the default options (small units coalesced: [Note: coalesced units] in
+# engine/core/schedule.py); "shardwise alone": coalesce_bytes=0, one collective per unit
+# and kind, as FSDP2.
+SYSTEMS = ("unsharded", "shardwise", "shardwise alone", "FSDP2")
 
 
 def build(system: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
                             for _ in range(UNITS)])
-    if system == "shardwise":
+    if system.startswith("shardwise"):
         import shardwise as sw
 
+        budget = 0 if system == "shardwise alone" else None
         for block in model:
-            sw.fully_shard(block)
-        sw.fully_shard(model)
+            sw.fully_shard(block, coalesce_bytes=budget)
+        sw.fully_shard(model, coalesce_bytes=budget)
     elif system == "FSDP2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -75,7 +79,7 @@ def _timer(rank: int, world: int, rounds: int, steps: int) -> dict[str, list[flo
         step(*built[s], x)  # warm-up: lazy init, the recorded order
     times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     for r in range(rounds):
-        for s in SYSTEMS[r % 3:] + SYSTEMS[: r % 3]:
+        for s in SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]:
             model, opt = built[s]
             for _ in range(steps):
                 torch.distributed.barrier()
@@ -151,19 +155,20 @@ def _profiler(rank: int, world: int, system: str, steps: int) -> dict[str, Any]:
 
 
 def profile(steps: int) -> None:
-    res = {s: run_distributed(_profiler, 1, s, steps, timeout_s=900)[0] for s in SYSTEMS}
+    res = {s: run_distributed(_profiler, 1, s, steps, timeout_s=900)[0]
+           for s in ("unsharded", "shardwise", "FSDP2")}
     base = res["unsharded"]["step_us"]
     print(f"\n1 rank, {UNITS} units, {steps} steps; unprofiled step: " + ", ".join(
-        f"{s} {res[s]['step_us']:.0f} us" for s in SYSTEMS))
+        f"{s} {res[s]['step_us']:.0f} us" for s in res))
     print("  cost per unit unprofiled: " + ", ".join(
-        f"{s} {(res[s]['step_us'] - base) / UNITS:.1f} us" for s in SYSTEMS[1:]))
+        f"{s} {(res[s]['step_us'] - base) / UNITS:.1f} us" for s in ("shardwise", "FSDP2")))
     print("\nunder cProfile, per step / per unit (us), calls per step:")
     print(f"{'':<18}{'shardwise':>22}{'FSDP2':>22}")
     for cat, _, _ in HOOKS["shardwise"]:
         a, b = res["shardwise"][cat], res["FSDP2"][cat]
         print(f"{cat:<18}{a[0]:>9.0f} /{a[0] / UNITS:>6.1f} ({a[1]:>3.0f})"
               f"{b[0]:>9.0f} /{b[0] / UNITS:>6.1f} ({b[1]:>3.0f})")
-    for s in SYSTEMS[1:]:
+    for s in ("shardwise", "FSDP2"):
         print(f"\n{s}: own time per step, top functions (us, calls per step); "
               f"all Python under the profiler: {res[s]['total_us']:.0f} us")
         for us, where, calls in res[s]["top"]:
@@ -186,9 +191,10 @@ def main() -> None:
         print(f"{world} rank(s), {UNITS} units, batch {BATCH}, {a.rounds} rounds x {a.steps} "
               f"steps: step ms " + ", ".join(f"{s} {t[s] * 1e3:.1f}" for s in SYSTEMS)
               + f" | unsharded per layer {t['unsharded'] / UNITS * 1e6:.0f} us | cost per "
-              f"unit: shardwise {per['shardwise'] * 1e6:.0f} us, FSDP2 "
-              f"{per['FSDP2'] * 1e6:.0f} us | shardwise / FSDP2 "
-              f"{per['shardwise'] / per['FSDP2']:.2f}", flush=True)
+              f"unit: shardwise {per['shardwise'] * 1e6:.0f} us, shardwise alone "
+              f"{per['shardwise alone'] * 1e6:.0f} us, FSDP2 {per['FSDP2'] * 1e6:.0f} us | "
+              f"shardwise / FSDP2 {per['shardwise'] / per['FSDP2']:.2f}, alone / FSDP2 "
+              f"{per['shardwise alone'] / per['FSDP2']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

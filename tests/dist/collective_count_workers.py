@@ -170,10 +170,12 @@ def build(system: str, preset: str) -> GPT:
         shard_fsdp2(model, True)
     elif system == "fsdp2 reshard_after_forward=False":
         shard_fsdp2(model, False)
-    elif system == "shardwise":
-        sw.shard_model(model, auto_wrap_policy="transformer")
-    elif system == "shardwise SHARD_GRAD_OP":
-        sw.shard_model(model, sharding_strategy="SHARD_GRAD_OP", auto_wrap_policy="transformer")
+    elif system.startswith("shardwise"):
+        # Each unit alone, as FSDP2 issues them; "coalesced": the default budget ([Note:
+        # coalesced units] in engine/core/schedule.py).
+        strategy = "SHARD_GRAD_OP" if "SHARD_GRAD_OP" in system else "FULL_SHARD"
+        sw.shard_model(model, sharding_strategy=strategy, auto_wrap_policy="transformer",
+                       coalesce_bytes=None if system.endswith("coalesced") else 0)
     else:
         raise ValueError(f"system {system!r} is not one of fsdp2, shardwise and their variants")
     return model
@@ -237,7 +239,7 @@ def _shard_recipe(model: GPT, system: str, hsdp: bool, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     shard = fully_shard if system == "fsdp2" else sw.fully_shard
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {} if system == "fsdp2" else {"coalesce_bytes": 0}
     if hsdp:
         kw["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
@@ -300,7 +302,7 @@ def moe_layer_counts(rank: int, world: int) -> dict[str, Any]:
     os.environ["SHARDWISE_GLOO_NATIVE"] = "1"
     torch.manual_seed(0)
     model = M.Net()
-    M._shard_hand(model, "layers")
+    M._shard_hand(model, "layers", coalesce_bytes=0)  # each unit's own collectives, counted
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reads, copies = [0], [0]
     real, real_tensor = torch.Tensor.tolist, torch.tensor

@@ -108,6 +108,8 @@ def _shard(model: Net, fsdp2: bool, k: object, root_k: object, mp: bool,
     if offload:
         kw["offload_policy"] = TorchOffload(pin_memory=False)
     shard = torch_fully_shard if fsdp2 else sw.fully_shard
+    if not fsdp2:
+        kw["coalesce_bytes"] = 0  # FSDP2's collectives, counted against it below
     for b in model.blocks:
         shard(b, reshard_after_forward=k, **kw)
     shard(model, reshard_after_forward=root_k, **kw)

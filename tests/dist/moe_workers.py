@@ -167,22 +167,24 @@ def _experts(layer: nn.Module) -> list[nn.Module]:
     return [layer.moe.expert(e) for e in range(E)]
 
 
-def _shard_hand(m: nn.Module, units: str) -> None:
+def _shard_hand(m: nn.Module, units: str, coalesce_bytes: int | None = None) -> None:
     """"layers": one unit per layer; "stacked": 3-D experts as their own unit; "experts":
     per-expert units, the layer not a unit (their container under a non-unit);
     "experts+layers": per-expert units inside layer units (under a unit);
-    "experts-grad-op": the same, experts kept gathered from forward to backward."""
+    "experts-grad-op": the same, experts kept gathered from forward to backward.
+    `coalesce_bytes`: fully_shard's (None: the default budget)."""
+    c = {"coalesce_bytes": coalesce_bytes}
     for layer in m.layers:
         if units.startswith("experts"):
             for ex in _experts(layer):
-                sw.fully_shard(ex, reshard_after_forward=units != "experts-grad-op")
+                sw.fully_shard(ex, reshard_after_forward=units != "experts-grad-op", **c)
         if units.startswith("stacked"):
             # FSDP2's argument: dim 0 (the experts) for the 3-D weights.
             sw.fully_shard(layer.moe.experts, shard_placement_fn=lambda p: Shard(0),
-                           reshard_after_forward=units == "stacked")
+                           reshard_after_forward=units == "stacked", **c)
         if units != "experts":
-            sw.fully_shard(layer, reshard_after_forward=units != "stacked-grad-op")
-    sw.fully_shard(m, reshard_after_forward=units != "stacked-grad-op")
+            sw.fully_shard(layer, reshard_after_forward=units != "stacked-grad-op", **c)
+    sw.fully_shard(m, reshard_after_forward=units != "stacked-grad-op", **c)
 
 
 def hand_moe(rank: int, world: int, debug: bool, cases: tuple[str, ...],

@@ -32,8 +32,14 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise.fsdp2 import fully_shard as sw_fully_shard
+from shardwise.fsdp2 import fully_shard as _sw_fully_shard
 from tests.dist.collective_count_workers import counting
+
+
+def sw_fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """Each unit alone: the parameters and gradients move as often as FSDP2's, counted
+    below ([Note: coalesced units] in engine/core/schedule.py)."""
+    return _sw_fully_shard(*args, coalesce_bytes=0, **kwargs)
 
 # Odd sizes so that dp 2 splits some rows unevenly (vocab 11, width 6, hidden 19).
 VOCAB, DIM, HIDDEN, SEQ, LAYERS = 11, 6, 19, 5, 4
@@ -220,14 +226,18 @@ def parity(rank: int, world: int, cases: list[tuple[str, int]]
            ) -> dict[str, dict[str, Any]]:
     """Per (schedule, microbatches): shardwise against FSDP2 and both against the unsharded
     reference, losses every step and parameters after the last, to TOL; and the last step's
-    collectives. Returns, per case, the worst differences and both systems' counts."""
+    collectives. Returns, per case, the worst differences and both systems' counts (shardwise
+    with each unit alone, as FSDP2 moves them; coalesced units are checked for numbers)."""
     mesh = init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp"))
     ref_losses, ref_params = reference(STEPS, PER_DP_RANK * mesh["dp"].size())
     out: dict[str, dict[str, Any]] = {}
     for schedule, n_microbatches in cases:
         case = f"{schedule} x {n_microbatches} microbatches"
+        # "coalesced": shardwise's defaults, small units sharing collectives (numbers only:
+        # its counts are its own).
         runs = {what: train_pipeline(mesh, fs, schedule, n_microbatches, what)
-                for what, fs in (("fsdp2", torch_fully_shard), ("shardwise", sw_fully_shard))}
+                for what, fs in (("fsdp2", torch_fully_shard), ("shardwise", sw_fully_shard),
+                                 ("coalesced", _sw_fully_shard))}
         worst: dict[str, float] = {}
         for what, (losses, params, _) in runs.items():
             d_loss = max(abs(a - b) for a, b in zip(losses, ref_losses))

@@ -140,10 +140,12 @@ def output_grad_on_some_ranks(rank: int, world: int, frozen: bool) -> str:
     Returns the error this rank got, under SHARDWISE_DEBUG (set by the test)."""
     torch.manual_seed(0)
     m = Skippy(frozen)
+    # Each unit alone: coalesced, these small units would share their backward all-gather
+    # and reduce-scatter, which are then the same on both ranks ([Note: coalesced units]).
     for u in (m.a1, m.a2, m.f, m.b):
         if u is not None:
-            sw.fully_shard(u)
-    sw.fully_shard(m).set_prefetch(False)
+            sw.fully_shard(u, coalesce_bytes=0)
+    sw.fully_shard(m, coalesce_bytes=0).set_prefetch(False)
     x, y, use = _skippy_batch(0, world * PER_RANK)
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     try:

@@ -10,10 +10,12 @@ from shardwise.engine.core.schedule import Limits
 from tests.models import loss_fn, make_batch, make_model
 
 
-def in_flight(rank: int, world: int, gathers: int, reduces: int) -> dict[str, int]:
+def in_flight(rank: int, world: int, gathers: int, reduces: int,
+              coalesce_bytes: int | None = None) -> dict[str, int]:
     """Three training steps of the tiny LM with the schedule's limits set; what it did."""
     model = make_model("lm", 0)
-    sw.shard_model(model, sharding_strategy="FULL_SHARD", auto_wrap_policy="transformer")
+    sw.shard_model(model, sharding_strategy="FULL_SHARD", auto_wrap_policy="transformer",
+                   coalesce_bytes=coalesce_bytes)
     ctx = context_of(model)
     assert ctx is not None
     ctx.schedule.limits = Limits(gathers=gathers, reduces=reduces)

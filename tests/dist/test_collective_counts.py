@@ -101,6 +101,36 @@ def test_all_to_all_transport_issues_as_many_collectives_as_fsdp2(world: int,
             f"(all counts: {_report(counts)})")
 
 
+# [Note: coalesced units]: the default budget (4 MiB) against each unit alone. Both presets'
+# units (blocks of ~110 KB and the root) make one group. Per step: one all-gather in forward,
+# one in backward (the blocks': the root stays gathered from forward; none under
+# SHARD_GRAD_OP), one reduce-scatter.
+COALESCED = {
+    ("shardwise coalesced", "small"): {"all_gather": 2, "reduce_scatter": 1},
+    ("shardwise coalesced", "bench30m"): {"all_gather": 2, "reduce_scatter": 1},
+    ("shardwise SHARD_GRAD_OP coalesced", "small"): {"all_gather": 1, "reduce_scatter": 1},
+    ("shardwise SHARD_GRAD_OP coalesced", "bench30m"): {"all_gather": 1,
+                                                         "reduce_scatter": 1},
+}
+
+
+@functools.cache
+def _coalesced(world: int) -> Counts:
+    runs = [(s, p, True) for s, p in COALESCED]
+    runs += [(s, p, False) for s, p in COALESCED]
+    return _run(world, runs, {})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_small_units_issue_one_collective_per_group(world: int) -> None:
+    counts = _coalesced(world)
+    for (system, preset), want in COALESCED.items():
+        assert _get(counts, system, preset) == want, (system, preset, _report(counts))
+        # gloo's all-to-all transport: the same collectives, each one all_to_all.
+        assert _get(counts, system, preset, native=False) == {
+            "all_to_all": sum(want.values())}, (system, preset, _report(counts))
+
+
 def test_debug_mode_adds_its_checks_and_the_comparison_sees_them() -> None:
     # The checks FSDP2 does not make live in SHARDWISE_DEBUG=1: there they are counted (the
     # freeze check's all-reduce, a fingerprint all-gather per collective, engine/comm/work.py),

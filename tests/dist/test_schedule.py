@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwise.engine.core.policies import DEFAULT_COALESCE_BYTES
 from shardwise.engine.core.schedule import Limits
 from shardwise.planner import timing as T
 from shardwise.planner.memory import unit_cost
 from shardwise.planner.profiles import InterconnectProfile
 from shardwise.planner.simulate import StepActivations, simulate
+from shardwise.planner.simulate import terms as simulate_terms
 from shardwise.planner.timed_replay import Replay
 from shardwise.planner.units import units_of_model
 from shardwise.testing import run_distributed
@@ -25,33 +27,38 @@ from tests.models import make_model
 WORLD = 2
 
 
-def _planned(limits: Limits):
+def _planned(limits: Limits, coalesce_bytes: int = DEFAULT_COALESCE_BYTES):
     with torch.device("meta"):
         model = make_model("lm", 0)
     mu = units_of_model(model, "transformer", None)
     costs = [unit_cost(u, WORLD, 0, None, False) for u in mu.units]
     return simulate(costs, shard_size=WORLD, reshard_after_forward=True,
                     acts=StepActivations(), static_bytes=0, optimizer_bytes=0,
-                    optimizer_temp_bytes=0, scratch=True, limits=limits), len(costs)
+                    optimizer_temp_bytes=0, scratch=True, limits=limits,
+                    coalesce_bytes=coalesce_bytes), len(costs)
 
 
-@pytest.mark.parametrize("gathers,reduces", [(2, 2), (1, 1), (0, 1)])
-def test_limits_change_engine_and_planner_alike(gathers: int, reduces: int) -> None:
-    engine = run_distributed(schedule_workers.in_flight, WORLD, gathers, reduces)
-    planned, n_units = _planned(Limits(gathers, reduces))
+@pytest.mark.parametrize("gathers,reduces,coalesce", [(2, 2, 0), (1, 1, 0), (0, 1, 0),
+                                                      (2, 2, DEFAULT_COALESCE_BYTES)])
+def test_limits_change_engine_and_planner_alike(gathers: int, reduces: int,
+                                                coalesce: int) -> None:
+    engine = run_distributed(schedule_workers.in_flight, WORLD, gathers, reduces, coalesce)
+    planned, n_units = _planned(Limits(gathers, reduces), coalesce)
     for rank_result in engine:
         assert rank_result["units"] == n_units
         assert rank_result["gathers"] == planned.gathers_in_flight
         assert rank_result["reduces"] == planned.reduces_in_flight
         # Prefetching happens exactly when the limit allows any all-gather ahead of need.
         assert (rank_result["prefetches"] > 0) == (gathers > 0)
-    # Every unit of the tiny LM (3 blocks and the root) reduces: the limit binds.
-    assert planned.reduces_in_flight == min(reduces, n_units)
+    # Every unit of the tiny LM (3 blocks and the root) reduces: the limit binds; coalesced
+    # ([Note: coalesced units]), the four reduce in one reduce-scatter.
+    assert planned.reduces_in_flight == (min(reduces, n_units) if not coalesce else 1)
 
 
 def test_tighter_limits_lower_the_planned_peak() -> None:
-    loose, _ = _planned(Limits(2, 2))
-    tight, _ = _planned(Limits(0, 1))
+    # Units alone: coalesced, the tiny model's units are one group whatever the limits.
+    loose, _ = _planned(Limits(2, 2), 0)
+    tight, _ = _planned(Limits(0, 1), 0)
     assert tight.comm_buffers < loose.comm_buffers
     assert tight.backward <= loose.backward
 
@@ -70,7 +77,10 @@ def _time_model(reshard: bool, limits: Limits) -> Replay:
     link = InterconnectProfile("test", 1e9, 1e-5)
     n = len(costs)
     work = T.UnitWork(tuple(1e-3 * (i + 1) for i in range(n)), (2e-3,) * n)
-    replay = T.step_replay(work, colls, T.Links(link, link, WORLD), False, limits)
+    # The engine coalesces these tiny units ([Note: coalesced units]): so does the model.
+    terms = [simulate_terms(c, WORLD, DEFAULT_COALESCE_BYTES) for c in costs]
+    replay = T.step_replay(work, colls, T.Links(link, link, WORLD), False, limits,
+                           terms=terms)
     replay.step_seconds()
     return replay
 

@@ -183,6 +183,10 @@ CASES: list[Case] = [
         "None, a bool or an int group size", _fs(reshard_after_forward="yes")),
     api("fully_shard(reshard_after_forward)", "3 (shard group of 1)", "reshard_after_forward=3 "
         "as an int must be a divisor of the shard group size 1", _fs(reshard_after_forward=3)),
+    api("fully_shard(coalesce_bytes)", "-1", "coalesce_bytes=-1 must be None (the default, "
+        "4194304 bytes) or an int >= 0", _fs(coalesce_bytes=-1)),
+    api("shard_model(coalesce_bytes)", "True", "coalesce_bytes=True must be None",
+        _sm(coalesce_bytes=True)),
     api("fully_shard(dp_mesh_dims)", "'dp'", "dp_mesh_dims='dp' must be a "
         "torch.distributed.fsdp.DataParallelMeshDims", _fs(dp_mesh_dims="dp")),
     api("fully_shard(dp_mesh_dims)", "shard=('dp',) without a mesh", "mesh must have "

@@ -77,6 +77,7 @@ TRAIN_CASES = [
     train("shard.mixed_precision", "int8", "shard.mixed_precision='int8' is not one of: fp32, "
           "bf16, fp16"),
     train("shard.cpu_offload", "maybe", "shard.cpu_offload='maybe' is not a valid bool"),
+    train("shard.coalesce_bytes", "-5", "shard.coalesce_bytes=-5 must be >= 0"),
     train("parallel.tp", "0", "parallel.tp=0 must be > 0"),
     train("parallel.tp", "3", "parallel.tp=3 must divide model.n_head=4"),
     cli("train --parallel.tp 2 --shard.sharding_strategy HYBRID_SHARD", "HYBRID_SHARD",
@@ -171,6 +172,7 @@ PLAN_CASES = [
     cli("plan --params 1e9 --ranks-per-node 0", "0", "--ranks-per-node=0"),
     cli("plan --params 1e9 --batch-size 0", "0", "--batch-size=0"),
     cli("plan --params 1e9 --seq-len -1", "-1", "--seq-len=-1"),
+    cli("plan --params 1e9 --coalesce-bytes -3", "-3", "coalesce_bytes=-3 must be None"),
     cli("plan --params 1e9 --activation-checkpointing=yes", "yes", IGNORED),
     cli("plan --params 1e9 --cpu-offload=yes", "yes", IGNORED),
     cli("plan --params 1e9 --wrap size", "size", "argument --wrap: invalid choice: 'size'"),

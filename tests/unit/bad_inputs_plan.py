@@ -22,6 +22,8 @@ PLAN_CASES: list[Case] = [
         _plan(count=-5)),
     api("plan(model_or_param_count)", "inf", "model_or_param_count=inf", _plan(count=inf)),
     api("plan(model_or_param_count)", "'7b'", "model_or_param_count='7b'", _plan(count="7b")),
+    api("plan(coalesce_bytes)", "-3", "coalesce_bytes=-3 must be None (the default, "
+        "4194304 bytes) or an int >= 0", _plan(coalesce_bytes=-3)),
     api("plan(quantize)", "'int4'", "quantize='int4' is not allowed: None, 'nf4' or sw.NF4",
         _plan(quantize="int4")),
     api("plan(quantize)", "'nf4' (a count)", "quantize=nf4 needs a model",

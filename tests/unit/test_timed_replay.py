@@ -9,7 +9,7 @@ from shardwise.engine.core.schedule import Limits
 from shardwise.planner.memory import UnitCost
 from shardwise.planner.profiles import InterconnectProfile
 from shardwise.planner.replay import replay_backward, replay_forward
-from shardwise.planner.simulate import StepActivations, _Sim
+from shardwise.planner.simulate import StepActivations, _Sim, terms
 from shardwise.planner.timed_replay import Replay
 from shardwise.planner.timing import Collective, Links, UnitWork, overlapped_step
 
@@ -23,8 +23,9 @@ def _cost(i: int) -> UnitCost:
                     8 * n, 8 * n, False)
 
 
-def _memory_log(reshard: bool, limits: Limits) -> list[tuple[str, int]]:
-    sim = _Sim([_cost(i) for i in range(N)], 2, reshard, StepActivations(), True, limits)
+def _memory_log(reshard: bool, limits: Limits, coalesce: int) -> list[tuple[str, int]]:
+    sim = _Sim([_cost(i) for i in range(N)], 2, reshard, StepActivations(), True, limits,
+               coalesce)
     replay_forward(sim.schedule, sim)
     replay_backward(sim.schedule, sim)
     sim.schedule.log = []  # the second step prefetches from the recorded order
@@ -33,15 +34,25 @@ def _memory_log(reshard: bool, limits: Limits) -> list[tuple[str, int]]:
     return [(what, u.i) for what, u in sim.schedule.log]
 
 
+@pytest.mark.parametrize("coalesce", [0, 20_000])
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("limits", [Limits(0, 1), Limits(1, 1), Limits(2, 2), Limits(3, 3)])
-def test_time_model_takes_the_memory_replays_decisions(reshard: bool, limits: Limits) -> None:
+def test_time_model_takes_the_memory_replays_decisions(reshard: bool, limits: Limits,
+                                                       coalesce: int) -> None:
     # The memory replay drives the engine's Schedule (tests/dist/test_schedule.py checks it
-    # against the engine); the time model's replay must take the same decisions in order.
+    # against the engine); the time model's replay must take the same decisions in order,
+    # small units coalesced or not ([Note: coalesced units]: 4 KB to 24 KB units, groups of
+    # up to 20 KB).
     r = Replay([1.0] * N, [2.0] * N, lambda kind, unit, phase: 0.5,
-               reshard_after_forward=reshard, sync_all_reduce=False, limits=limits)
+               reshard_after_forward=reshard, sync_all_reduce=False, limits=limits,
+               terms=[terms(_cost(i), 2, coalesce) for i in range(N)])
     r.step_seconds()
-    assert r.log == _memory_log(reshard, limits)
+    log = _memory_log(reshard, limits, coalesce)
+    assert r.log == log
+    # One reduce-scatter per unit, or fewer where units share one (the timeline names every
+    # member of a shared one with the same interval).
+    shared = {(start, end) for kind, _, start, end in r.timeline if kind == "reduce_scatter"}
+    assert (len(shared) < N) == bool(coalesce)
     assert r.schedule.most_gathers <= limits.gathers
     assert r.schedule.most_reduces <= limits.reduces
 

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep only each block's input; recompute the block in backward")
     ap.add_argument("--cpu-offload", action="store_true",
                     help="model states in host memory; the optimizer steps on the host")
+    ap.add_argument("--coalesce-bytes", type=int, default=None, metavar="N",
+                    help="units whose all-gathers fit N bytes together share collectives "
+                         "(fully_shard's coalesce_bytes; default 4 MiB, 0: each alone)")
     ap.add_argument("--wrap", default="transformer", choices=("transformer", "none"),
                     help="one unit per block (default) or the root only")
     shape = ap.add_argument_group("shape of a bare count (else guessed)")
@@ -220,7 +223,8 @@ def _plan_all(args: argparse.Namespace, what: object, shape: dict | None,
                           device=device, interconnect=interconnect, shape=shape,
                           ranks_per_node=args.ranks_per_node, tensor_parallel=args.tp,
                           sequence_parallel=args.sequence_parallel,
-                          tp_embeddings=args.tp_embeddings, **kw)
+                          tp_embeddings=args.tp_embeddings,
+                          coalesce_bytes=args.coalesce_bytes, **kw)
         except ValueError as e:  # e.g. HYBRID_SHARD when the node size does not divide
             if s == args.strategy:
                 raise

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.core.policies import dtype_name
+from ..engine.core.policies import DEFAULT_COALESCE_BYTES, dtype_name
 from . import timing as T
 from .copies import copy_seconds, step_copies, transport_of, unit_copies
 from .profiles import DeviceProfile, InterconnectProfile, interconnect_profile
-from .simulate import StepActivations
+from .simulate import StepActivations, terms
 from .units import ModelUnits
 
 
@@ -58,7 +58,8 @@ def link_profiles(dev: DeviceProfile, interconnect: str | InterconnectProfile | 
 def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: DeviceProfile,
           mu: ModelUnits, acts: StepActivations | None, act_dtype: torch.dtype, opt: str,
           batch: int, seq_len: int, checkpointing: bool, S: int, R: int, world: int,
-          host_offload: bool, reshard: bool) -> TimeEstimate:
+          host_offload: bool, reshard: bool,
+          coalesce_bytes: int = DEFAULT_COALESCE_BYTES) -> TimeEstimate:
     tokens = batch * seq_len
     # 16-bit compute has its own peak; anything else runs at the fp32 one.
     dname = dtype_name(act_dtype) if act_dtype in (torch.bfloat16, torch.float16) else "fp32"
@@ -87,14 +88,17 @@ def step_time(costs: list, colls: list[T.Collective], links: T.Links, dev: Devic
     comm_s = sum(links.seconds(c) for c in colls)
     fixed = optimizer_s + offload_s  # neither overlaps with anything in the engine
     sync = S > 1 and R > 1
+    # [Note: coalesced units]: which units share collectives, as the engine decides it.
+    unit_terms = [terms(c, S, coalesce_bytes if R == 1 else 0) for c in costs]
     overlap = T.overlapped_step(work, colls, links, fixed, sync, copy_s=one_copy,
-                                reshard_after_forward=reshard)
+                                reshard_after_forward=reshard, terms=unit_terms)
     serial = T.serial_step(work, colls, links, fixed, copy_s)
     # A device that does not overlap (a CPU's cores also run gloo) replays the schedule with
     # the collectives on the training thread: the serial time, in the engine's order.
     step = overlap if dev.overlap else (
         T.step_replay(work, colls, links, sync, copy_s=one_copy, overlap=False,
-                      wall_per_second=dev.seconds_scale, reshard_after_forward=reshard)
+                      wall_per_second=dev.seconds_scale, reshard_after_forward=reshard,
+                      terms=unit_terms)
         .step_seconds() + fixed)
     # [Note: CPU time]: rates timed in CPU time give CPU-seconds; the step is wall seconds.
     k = dev.seconds_scale

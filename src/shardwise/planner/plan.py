@@ -21,6 +21,7 @@ from ..engine.core.policies import (
     ShardingStrategy,
     WrapPolicyLike,
     check_bool,
+    check_coalesce_bytes,
     check_int,
     dtype_name,
 )
@@ -101,6 +102,7 @@ def plan(
     sequence_parallel: bool = False,
     tp_embeddings: str = "split",
     quantize: str | NF4 | None = None,
+    coalesce_bytes: int | None = None,
 ) -> Plan:
     """Plan one training step of `model_or_param_count` on `world_size` ranks.
 
@@ -126,6 +128,9 @@ def plan(
       `sw.load_pretrained(model, path, quantize=...)` loads them (QLoRA: a peft model built
       on the meta device); their shards, gathers and dequantization are planned as torchao
       stores and computes them ([Note: NF4 dequantization] in planner/memory.py).
+    coalesce_bytes: fully_shard's budget for small units sharing one all-gather and one
+      reduce-scatter (None: the engine's default; 0: each unit alone), replayed as the
+      engine runs it ([Note: coalesced units] in engine/core/schedule.py).
 
     A model with a context length (a GPT preset, a Hugging Face config) is planned for
     batch 1 at that length unless told otherwise (a note says so); without a sequence
@@ -141,7 +146,7 @@ def plan(
                 device=device, interconnect=interconnect, shape=shape,
                 ranks_per_node=ranks_per_node, rank=rank, tensor_parallel=tensor_parallel,
                 sequence_parallel=sequence_parallel, tp_embeddings=tp_embeddings,
-                quantize=quantize)
+                quantize=quantize, coalesce_bytes=coalesce_bytes)
     what = model_or_param_count
     if not isinstance(what, (nn.Module, int, float)):  # read a config once, not per plan
         what = resolve_model(what, shape)
@@ -203,9 +208,11 @@ def plan_one(
     tp_embeddings: str = "split",
     quantize: str | NF4 | None = None,
     search_batch: bool = True,
+    coalesce_bytes: int | None = None,
 ) -> Plan:
     """One plan, without alternatives (`search_batch`: bisect the largest batch)."""
     check_int("world_size", world_size, minimum=1)
+    coalesce = check_coalesce_bytes(coalesce_bytes)
     TP.check_tp_embeddings(tp_embeddings)
     check_bool("sequence_parallel", sequence_parallel)
     tp = tensor_parallel
@@ -296,7 +303,8 @@ def plan_one(
             static_bytes=states.params_bytes * on_device + mu.buffers_bytes,
             optimizer_bytes=states.optimizer_bytes * on_device,
             optimizer_temp_bytes=states.optimizer_temp_bytes * on_device,
-            scratch=dev is not None and dev.collective_scratch)
+            scratch=dev is not None and dev.collective_scratch,
+            coalesce_bytes=coalesce if R == 1 else 0)
         return peaks, acts
 
     peaks, acts = peaks_for(batch_size)
@@ -349,7 +357,7 @@ def plan_one(
             f" + {links.inter.name}" if world_size > per_node else "")
         time = step_time(costs, colls, links, dev, mu, acts, act_dtype, opt, batch_size,
                      seq_len, activation_checkpointing, S, R, world_size,
-                     host_offload, reshard)
+                     host_offload, reshard, coalesce)
     elif interconnect is not None:
         link_names = interconnect if isinstance(interconnect, str) else interconnect.name
 

@@ -11,9 +11,16 @@ schedule's decision log ([Note: decision log] in engine/core/schedule.py) record
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ..engine.core.schedule import PendingReduce, Schedule, ShardedState, TrainingState
+from ..engine.core.schedule import (
+    Coalesce,
+    PendingReduce,
+    ReduceBatch,
+    Schedule,
+    ShardedState,
+    TrainingState,
+)
 
 
 class ReplayUnit:
@@ -30,9 +37,16 @@ class ReplayUnit:
         self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
         self.unreduced = False  # full gradients exist that were not reduced yet
+        # [Note: coalesced units] in engine/core/schedule.py: this unit's terms (None: alone).
+        self.terms: Coalesce | None = None
 
-    def unshard(self, async_op: bool = True) -> None:
+    def unshard(self, async_op: bool = True, together: Sequence[Any] = ()) -> None:
         if self.state is not ShardedState.SHARDED:
+            return
+        if together:
+            self._issue_group_gather(together)
+            for m in together:
+                m.state = ShardedState.GATHERING
             return
         self._issue_gather()
         self.state = ShardedState.GATHERING
@@ -54,13 +68,25 @@ class ReplayUnit:
     def has_unreduced_grads(self) -> bool:
         return self.unreduced
 
-    def reduce_grads(self) -> Sequence[PendingReduce]:
+    def reduce_grads(self, batch: Any = None) -> Sequence[PendingReduce]:
         self.unreduced = False
+        if batch is not None:
+            batch.pack(self)
+            return ()
         return self._issue_reduce()
+
+    def coalesce(self) -> Coalesce | None:
+        return self.terms
+
+    def open_batch(self, members: Sequence[Any]) -> ReduceBatch:
+        raise NotImplementedError
 
     # What each replay counts.
 
     def _issue_gather(self) -> None:
+        raise NotImplementedError
+
+    def _issue_group_gather(self, members: Sequence[Any]) -> None:
         raise NotImplementedError
 
     def _gathered(self) -> None:

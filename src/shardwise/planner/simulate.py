@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.comm.transport import gather_send_numel, kind_for, reduce_recv_numel
-from ..engine.core.schedule import DEFAULT_LIMITS, Limits, Schedule
+from ..engine.core.policies import DEFAULT_COALESCE_BYTES
+from ..engine.core.schedule import DEFAULT_LIMITS, Coalesce, Limits, Schedule
 from ..engine.core.unit import BufferPool
 from .memory import UnitCost, _size
 from .replay import ReplayUnit, replay_backward, replay_forward
@@ -86,6 +87,25 @@ class _Tally:
         return p
 
 
+def terms(cost: UnitCost, shard_size: int, budget: int) -> Coalesce | None:
+    """What the engine's `Unit.coalesce` answers for this unit: one bucket, sharded
+    ([Note: coalesced units] in engine/core/schedule.py)."""
+    if budget <= 0 or shard_size == 1 or cost.direct or len(cost.gather) != 1:
+        return None
+    dtype, chunk = cost.gather[0]
+    if chunk == 0 or len(cost.reduce) > 1:
+        return None
+    rdtype = cost.reduce[0][0] if cost.reduce else dtype
+    return Coalesce((dtype, rdtype), chunk * shard_size * _size(dtype), budget)
+
+
+class _Shared:
+    """A group's one all-gather: its buffers go back when the last member was waited for."""
+
+    def __init__(self, send: torch.Tensor | None, out: torch.Tensor, left: int) -> None:
+        self.send, self.out, self.left = send, out, left
+
+
 class _SimUnit(ReplayUnit):
     """A unit that counts bytes (replay.py's `ReplayUnit`)."""
 
@@ -93,6 +113,25 @@ class _SimUnit(ReplayUnit):
         super().__init__(i, reshard_after_forward)
         self.sim, self.cost = sim, sim.costs[i]
         self.gathers: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self.shared: _Shared | None = None
+
+    def _issue_group_gather(self, members: Sequence[ReplayUnit]) -> None:
+        sim = self.sim
+        dtype = self.cost.gather[0][0]
+        chunk = sum(m.cost.gather[0][1] for m in members)  # type: ignore[attr-defined]
+        out = sim.get(chunk * sim.S, dtype)
+        n = gather_send_numel(sim.transport, chunk, sim.S)
+        send = sim.get(n, dtype) if n else None
+        if sim.scratch:
+            extra = chunk * sim.S * _size(dtype)
+            sim.t.add(extra, "comm")
+            sim.t.add(-extra, "comm")
+        shared = _Shared(send, out, len(members))
+        for m in members:
+            m.shared = shared  # type: ignore[attr-defined]
+
+    def open_batch(self, members: Sequence[ReplayUnit]) -> _SimBatch:
+        return _SimBatch(self.sim, list(members))
 
     def _issue_gather(self) -> None:
         sim = self.sim
@@ -113,6 +152,13 @@ class _SimUnit(ReplayUnit):
 
     def _gathered(self) -> None:
         self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.left -= 1
+            if not shared.left:
+                if shared.send is not None:
+                    self.sim.release(shared.send)
+                self.sim.release(shared.out)
         for send, out in self.gathers:
             if send is not None:
                 self.sim.release(send)
@@ -147,9 +193,45 @@ class _SimUnit(ReplayUnit):
         return (_SimReduce(self, parts),)
 
 
+class _SimBatch:
+    """A group's gradients packed into one reduce buffer ([Note: coalesced units])."""
+
+    def __init__(self, sim: _Sim, members: list[_SimUnit]) -> None:
+        self.sim, self.members = sim, members
+        self.width = sum(m.cost.reduce[0][1] for m in members if m.cost.reduce)
+        self.send: torch.Tensor | None = None
+        self.kept = 0
+        self.lead: _SimUnit | None = None
+        self.packed: list[_SimUnit] = []
+
+    def pack(self, unit: _SimUnit) -> None:
+        c, sim = unit.cost, self.sim
+        if c.reduce:
+            self.packed.append(unit)
+            if self.send is None:
+                self.lead = unit
+                self.send = sim.get(self.width * sim.S, c.reduce[0][0])
+            self.kept += c.reduce[0][2]
+        sim.t.add(-c.full_grad_bytes, "full_grads")  # packed: full gradients freed
+
+    def issue(self) -> Sequence[_SimReduce]:
+        send, self.send = self.send, None
+        if send is None or self.lead is None:
+            return ()
+        sim, rdtype = self.sim, self.lead.cost.reduce[0][0]
+        out = self.width * _size(rdtype)
+        extra = reduce_recv_numel(sim.transport, self.width, sim.S) * _size(rdtype)
+        sim.t.add(out, "grads")
+        sim.t.add(extra, "comm")
+        pr = _SimReduce(self.lead, [(send, out, extra, self.kept)])
+        pr.units = list(self.packed)
+        return (pr,)
+
+
 class _SimReduce:
     def __init__(self, unit: _SimUnit, parts: list) -> None:
         self.unit, self.parts = unit, parts
+        self.units = [unit]  # a group's: every member ([Note: coalesced units])
 
     def finish(self) -> None:
         sim = self.unit.sim
@@ -168,7 +250,8 @@ class _SimReduce:
 
 class _Sim:
     def __init__(self, costs: list[UnitCost], shard_size: int, reshard_after_forward: bool,
-                 acts: StepActivations, scratch: bool, limits: Limits) -> None:
+                 acts: StepActivations, scratch: bool, limits: Limits,
+                 coalesce_bytes: int = DEFAULT_COALESCE_BYTES) -> None:
         self.costs = costs
         self.S = shard_size
         self.acts = acts
@@ -178,6 +261,8 @@ class _Sim:
         self.t = _Tally()
         self.pool = BufferPool()
         self.units = [_SimUnit(self, i, reshard_after_forward) for i in range(len(costs))]
+        for u in self.units:
+            u.terms = terms(u.cost, shard_size, coalesce_bytes)
         self.schedule: Schedule[_SimUnit] = Schedule(self.units, limits)
         self.grads_alive = 0
 
@@ -255,10 +340,11 @@ class _Sim:
 def simulate(costs: list[UnitCost], *, shard_size: int, reshard_after_forward: bool,
              acts: StepActivations, static_bytes: int, optimizer_bytes: int,
              optimizer_temp_bytes: int, scratch: bool,
-             limits: Limits = DEFAULT_LIMITS) -> PhasePeaks:
+             limits: Limits = DEFAULT_LIMITS,
+             coalesce_bytes: int = DEFAULT_COALESCE_BYTES) -> PhasePeaks:
     """Peaks by phase over two steps (the first builds optimizer state, the second prefetches
     in forward too). `static_bytes`: held throughout (parameter shards, buffers)."""
-    sim = _Sim(costs, shard_size, reshard_after_forward, acts, scratch, limits)
+    sim = _Sim(costs, shard_size, reshard_after_forward, acts, scratch, limits, coalesce_bytes)
     sim.t.add(static_bytes, "static")
     sim.t.mark()
     peaks = PhasePeaks()

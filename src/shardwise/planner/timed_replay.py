@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..engine.core.schedule import DEFAULT_LIMITS, Limits, Schedule
+from ..engine.core.schedule import DEFAULT_LIMITS, Coalesce, Limits, Schedule
 from .replay import ReplayUnit, replay_backward, replay_forward
 
 
 class _Reduce:
     def __init__(self, unit: _TimedUnit, done: float) -> None:
         self.unit, self.done, self.finished = unit, done, False
+        self.units = [unit]  # a group's: every member ([Note: coalesced units])
 
     def finish(self) -> None:
         if self.finished:
@@ -55,6 +56,19 @@ class _TimedUnit(ReplayUnit):
         r.comp = max(r.comp, self.ready)
         r.copy("gather_out", self.i)
 
+    def _issue_group_gather(self, members: Sequence[ReplayUnit]) -> None:
+        """One all-gather for the group ([Note: coalesced units]): the members' transfer
+        times add up, their fixed latencies are paid once."""
+        r = self.replay
+        for m in members:
+            r.copy("gather_in", m.i)
+        ready = r.issue_group("all_gather", [m.i for m in members], r.comp)
+        for m in members:
+            m.ready = ready  # type: ignore[attr-defined]
+
+    def open_batch(self, members: Sequence[ReplayUnit]) -> _TimedBatch:
+        return _TimedBatch(self.replay)
+
     def _freed(self) -> None:
         pass  # resharding frees memory; it takes no time worth counting
 
@@ -65,6 +79,27 @@ class _TimedUnit(ReplayUnit):
         if not r.sync_all_reduce:
             done = r.issue("all_reduce", self.i, done)
         return (_Reduce(self, done),)
+
+
+class _TimedBatch:
+    """A group's reduce-scatter: packed member by member, issued once."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+        self.packed: list[_TimedUnit] = []
+
+    def pack(self, unit: _TimedUnit) -> None:
+        self.replay.copy("pack", unit.i)
+        self.packed.append(unit)
+
+    def issue(self) -> Sequence[_Reduce]:
+        if not self.packed:
+            return ()
+        r = self.replay
+        done = r.issue_group("reduce_scatter", [u.i for u in self.packed], r.comp)
+        pr = _Reduce(self.packed[0], done)
+        pr.units = list(self.packed)
+        return (pr,)
 
 
 class Replay:
@@ -88,13 +123,20 @@ class Replay:
                  sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
                  copy_s: Callable[[str, int], float] | None = None,
                  overlap: bool = True,
-                 wire: Callable[[str, int, str], float] | None = None) -> None:
+                 wire: Callable[[str, int, str], float] | None = None,
+                 terms: Sequence[Coalesce | None] | None = None,
+                 fixed: Callable[[str, int, str], float] | None = None) -> None:
         self.fwd, self.bwd, self.seconds = forward_s, backward_s, seconds
         self.copy_s = copy_s
         self.overlap = overlap
         self.wire = wire
         self.sync_all_reduce = sync_all_reduce
         self.units = [_TimedUnit(self, i, reshard_after_forward) for i in range(len(forward_s))]
+        # [Note: coalesced units]: each unit's terms, and the fixed part (latency) of a
+        # unit's collective, which a group pays once.
+        for u, t in zip(self.units, terms or ()):
+            u.terms = t
+        self.fixed = fixed
         self.schedule: Schedule[_TimedUnit] = Schedule(self.units, limits)
         self.schedule.log = []
         self.comp = self.comm = 0.0
@@ -119,6 +161,30 @@ class Replay:
             w = self.wire(kind, unit, self.phase) if self.wire is not None else d
             self.comm = max(start + w, self.comp)
         self.timeline.append((kind, unit, start, self.comm))
+        return self.comm
+
+    def issue_group(self, kind: str, units: list[int], at: float) -> float:
+        """One collective for several units' buffers: their times less all but one fixed
+        latency. The timeline names each member, as the schedule's log does (one entry
+        each, the same interval)."""
+        def total(f: Callable[[str, int, str], float] | None) -> float | None:
+            return None if f is None else sum(f(kind, u, self.phase) for u in units)
+
+        fixed = ([self.fixed(kind, u, self.phase) for u in units]
+                 if self.fixed is not None else [0.0])
+        saved = sum(fixed) - max(fixed)
+        d = (total(self.seconds) or 0.0) - saved
+        if d <= 0:
+            return at
+        start = max(self.comm, at)
+        if self.overlap:
+            self.comm = start + d
+        else:
+            self.comp = max(self.comp, at) + d
+            w = total(self.wire)
+            self.comm = max(start + (d if w is None else w - saved), self.comp)
+        for u in units:
+            self.timeline.append((kind, u, start, self.comm))
         return self.comm
 
     def copy(self, kind: str, unit: int) -> None:

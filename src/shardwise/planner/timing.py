@@ -15,11 +15,11 @@ schedule's `Limits`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine.core.events import wire_bytes
-from ..engine.core.schedule import DEFAULT_LIMITS, Limits
+from ..engine.core.schedule import DEFAULT_LIMITS, Coalesce, Limits
 from .memory import UnitCost, _size
 from .profiles import DeviceProfile, InterconnectProfile
 from .shape import TransformerShape
@@ -121,6 +121,14 @@ class Links:
             lat = max(lat, self.inter.latency_s)
         return c.steps * lat + c.sent_bytes / bw
 
+    def fixed_seconds(self, c: Collective) -> float:
+        """The part of `seconds` that does not grow with the bytes (the latency of each
+        ring step): what one collective for several units pays once."""
+        lat = self.intra.latency_s
+        if c.inter_node:
+            lat = max(lat, self.inter.latency_s)
+        return c.steps * lat
+
     def wall_seconds(self, c: Collective) -> float:
         """How long `c` takes to complete where `seconds` is the CPU it uses (a CPU
         calibrated in CPU time: InterconnectProfile.wall_measured); else `seconds`."""
@@ -184,7 +192,8 @@ def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
                     optimizer_s: float, sync_all_reduce: bool,
                     limits: Limits = DEFAULT_LIMITS,
                     copy_s: Callable[[str, int], float] | None = None,
-                    reshard_after_forward: bool | None = None) -> float:
+                    reshard_after_forward: bool | None = None,
+                    terms: Sequence[Coalesce | None] | None = None) -> float:
     """Seconds per step with communication on its own stream, in the engine's order.
 
     The order is the engine's own: its `Schedule` drives clock-keeping units
@@ -194,7 +203,7 @@ def overlapped_step(work: UnitWork, colls: list[Collective], links: Links,
     the seconds of the unit's local copies of each kind ([Note: local copies]).
     """
     replay = step_replay(work, colls, links, sync_all_reduce, limits, copy_s,
-                         reshard_after_forward=reshard_after_forward)
+                         reshard_after_forward=reshard_after_forward, terms=terms)
     return replay.step_seconds() + optimizer_s
 
 
@@ -202,18 +211,22 @@ def step_replay(work: UnitWork, colls: list[Collective], links: Links,
                 sync_all_reduce: bool, limits: Limits = DEFAULT_LIMITS,
                 copy_s: Callable[[str, int], float] | None = None,
                 overlap: bool = True, wall_per_second: float = 1.0,
-                reshard_after_forward: bool | None = None) -> Replay:
+                reshard_after_forward: bool | None = None,
+                terms: Sequence[Coalesce | None] | None = None) -> Replay:
     """The time replay `overlapped_step` runs (not run yet): collectives priced by `links`.
     `overlap=False`: the collectives take the training thread's cores (a CPU's gloo) and
     complete after their wall-clock time (`Links.wall_seconds`, counted in the replay's
     seconds: divided by `wall_per_second`, the profile's seconds_scale).
     `reshard_after_forward`: None reads it off `colls` (backward gathers), which one rank,
-    gathering nothing, cannot show."""
+    gathering nothing, cannot show. `terms`: each unit's coalescing terms ([Note: coalesced
+    units] in engine/core/schedule.py; simulate.terms), None: every unit alone."""
     by: dict[tuple[str, int, str], float] = {}
     wall: dict[tuple[str, int, str], float] = {}
+    fixed: dict[tuple[str, int, str], float] = {}
     for c in colls:
         key = (c.kind, c.unit, c.phase)
         by[key] = by.get(key, 0.0) + links.seconds(c)
+        fixed[key] = fixed.get(key, 0.0) + links.fixed_seconds(c)
         wall[key] = wall.get(key, 0.0) + links.wall_seconds(c) / wall_per_second
     # Gathers are listed per phase; reductions are all "backward".
     reshard = (any(c.kind == "all_gather" and c.phase == "backward" for c in colls)
@@ -222,7 +235,9 @@ def step_replay(work: UnitWork, colls: list[Collective], links: Links,
                   lambda kind, unit, phase: by.get((kind, unit, phase), 0.0),
                   reshard_after_forward=reshard, sync_all_reduce=sync_all_reduce,
                   limits=limits, copy_s=copy_s, overlap=overlap,
-                  wire=lambda kind, unit, phase: wall.get((kind, unit, phase), 0.0))
+                  wire=lambda kind, unit, phase: wall.get((kind, unit, phase), 0.0),
+                  terms=terms, fixed=lambda kind, unit, phase: fixed.get((kind, unit, phase),
+                                                                         0.0))
 
 
 def serial_step(work: UnitWork, colls: list[Collective], links: Links,

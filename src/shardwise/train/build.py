@@ -57,6 +57,7 @@ def build_gpt(cfg: Config, mesh: DeviceMesh | None = None) -> GPT:
         mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
         cpu_offload=s.cpu_offload,
         mesh=None if mesh is None else mesh["dp"],
+        coalesce_bytes=s.coalesce_bytes,
     )
     if mesh is None:
         sw.materialize(model, seed=cfg.train.seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.core.policies import CONFIG_STRATEGY_NAMES as STRATEGIES
+from ..engine.core.policies import DEFAULT_COALESCE_BYTES
 from .config_outputs import CheckpointSection, LogSection, LoraSection
 from .model import PRESETS, GPTConfig, preset
 from .validate import check as _check
@@ -308,12 +309,16 @@ class ShardSection:
         size (>= 100k parameters) or none (one unit).
     mixed_precision: compute and communication dtype: fp32, bf16 or fp16 (master weights stay fp32).
     cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+    coalesce_bytes: consecutive units whose all-gathers are this small or smaller share one
+        all-gather and one reduce-scatter, up to this many gathered bytes (0: each unit
+        alone, as FSDP2; fully_shard's option of the same name).
     """
 
     sharding_strategy: str = "FULL_SHARD"
     auto_wrap_policy: str = "transformer"
     mixed_precision: str = "fp32"
     cpu_offload: bool = False
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES
 
     def __post_init__(self) -> None:
         _typed("shard", self)
@@ -323,6 +328,8 @@ class ShardSection:
         _choice("shard", "sharding_strategy", self.sharding_strategy, STRATEGIES)
         _choice("shard", "auto_wrap_policy", self.auto_wrap_policy, WRAP_POLICIES)
         _choice("shard", "mixed_precision", self.mixed_precision, PRECISIONS)
+        _check(self.coalesce_bytes >= 0, f"shard.coalesce_bytes={self.coalesce_bytes} must "
+               "be >= 0 (0: each unit gathers and reduces alone)")
 
 
 @dataclass

@@ -98,7 +98,7 @@ def build_hf(cfg: Config) -> nn.Module:
         model, sharding_strategy=s.sharding_strategy,
         auto_wrap_policy=None if s.auto_wrap_policy == "none" else s.auto_wrap_policy,
         mixed_precision=None if s.mixed_precision == "fp32" else s.mixed_precision,
-        cpu_offload=s.cpu_offload)
+        cpu_offload=s.cpu_offload, coalesce_bytes=s.coalesce_bytes)
     inner = model.get_base_model() if cfg.lora.rank else model
     # Everything the checkpoint does not hold (adapters, computed buffers such as rotary
     # inv_freq) gets the model's own initialization; LoRA's B starts at zero (materialize

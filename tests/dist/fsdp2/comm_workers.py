@@ -4,6 +4,7 @@ a step issues, their order in backward (prefetch), manual reshard/unshard, world
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,12 @@ from tests.dist.fsdp2.hpz import Gather, K, record_gathers
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
 
 
+def _fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """sw.fully_shard with each unit alone: these scenarios count FSDP2's collectives
+    per unit ([Note: coalesced units] in engine/core/schedule.py)."""
+    return sw.fully_shard(*args, coalesce_bytes=0, **kwargs)
+
+
 def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
                  reshard_after_forward: bool | int | None = True
                  ) -> tuple[Transformer, torch.Tensor]:
@@ -32,8 +39,8 @@ def _transformer(n_layers: int = 2, checkpoint_impl: str | None = None,
     for block in transformer_blocks(model):
         if checkpoint_impl == "composable":
             checkpoint(block)
-        sw.fully_shard(block, reshard_after_forward=reshard_after_forward)
-    sw.fully_shard(model, reshard_after_forward=reshard_after_forward)
+        _fully_shard(block, reshard_after_forward=reshard_after_forward)
+    _fully_shard(model, reshard_after_forward=reshard_after_forward)
     g = torch.Generator().manual_seed(7)
     return model, torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=g)
 
@@ -155,7 +162,7 @@ def unshard_no_param_group(rank: int, world: int, ex: Expect) -> None:
     """unshard()/reshard() on a unit that owns no parameters is a no-op."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     for m in [*model, model]:
-        sw.fully_shard(m)
+        _fully_shard(m)
     model.unshard()
     model.reshard()
     out = model(torch.randn(2, 4))
@@ -168,7 +175,7 @@ def unshard_without_lazy_init(rank: int, world: int, ex: Expect) -> None:
     torch.manual_seed(42)
     model = MLP(4)
     ref = copy.deepcopy(model)
-    sw.fully_shard(model)
+    _fully_shard(model)
     model.unshard()
     for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
         ex.close(p.detach(), rp.detach(), f"{n} after unshard()")
@@ -180,7 +187,7 @@ def unshard_without_lazy_init(rank: int, world: int, ex: Expect) -> None:
 def singleton_no_division(rank: int, world: int, ex: Expect) -> None:
     """One rank: the gradient is not divided (the mean over one rank is itself)."""
     model = nn.Linear(8, 4, bias=False)
-    sw.fully_shard(model)
+    _fully_shard(model)
     model(torch.ones(3, 8)).sum().backward()
     # A one-rank mesh still gives DTensor parameters and gradients, as FSDP2's does.
     ex.true(isinstance(model.weight.grad, DTensor), "one rank: the gradient is a DTensor")
@@ -191,7 +198,7 @@ def size1_reduceop(rank: int, world: int, ex: Expect) -> None:
     torch.manual_seed(42)
     model = nn.Linear(64, 65)
     ref = copy.deepcopy(model)
-    sw.fully_shard(model, reshard_after_forward=False)
+    _fully_shard(model, reshard_after_forward=False)
     opt = torch.optim.Adam(model.parameters())
     ref_opt = torch.optim.Adam(ref.parameters())
     inp = torch.randn(65, 64)

@@ -12,6 +12,7 @@ or scatter, so only the all-reduce is issued there.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,12 @@ from tests.dist.fsdp2.common import (
 from tests.dist.fsdp2.common import sum_loss as _sum
 from tests.dist.fsdp2.hpz import K, check_blocks, record_gathers
 from tests.dist.fsdp2.models import MLP, ModelArgs, Transformer, transformer_blocks
+
+
+def _fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """sw.fully_shard with each unit alone: these scenarios count FSDP2's collectives
+    per unit ([Note: coalesced units] in engine/core/schedule.py)."""
+    return sw.fully_shard(*args, coalesce_bytes=0, **kwargs)
 
 _MESHES: dict[tuple[int, ...], DeviceMesh] = {}
 
@@ -86,7 +93,7 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, mesh: str, raf: str
     policy = sw.CPUOffloadPolicy(pin_memory=False) if offload else None
     value = raf_value(raf, S)
     for m in [*model[1:], model]:
-        sw.fully_shard(m, mesh=dmesh, reshard_after_forward=value, offload_policy=policy)
+        _fully_shard(m, mesh=dmesh, reshard_after_forward=value, offload_policy=policy)
     labels = {m._sw_unit.label for m in sharded_modules(model)}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -154,8 +161,8 @@ def requires_all_reduce_hsdp(rank: int, world: int, ex: Expect) -> None:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(9, 9), MLP(9))
     ref = copy.deepcopy(model)
-    sw.fully_shard(model[1], mesh=dmesh)
-    sw.fully_shard(model, mesh=dmesh)
+    _fully_shard(model[1], mesh=dmesh)
+    _fully_shard(model, mesh=dmesh)
     labels = {m._sw_unit.label for m in sharded_modules(model)}
     dp = DataParallelRef(ref, world)
     S = dmesh.size(1)
@@ -183,7 +190,7 @@ def requires_gradient_sync_recurse(rank: int, world: int, ex: Expect, raf: str,
     policy = sw.CPUOffloadPolicy(pin_memory=False) if offload else None
     value = raf_value(raf, world)
     for m in [*model, model]:
-        sw.fully_shard(m, reshard_after_forward=value, offload_policy=policy)
+        _fully_shard(m, reshard_after_forward=value, offload_policy=policy)
     labels = {m._sw_unit.label for m in sharded_modules(model)}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -223,7 +230,7 @@ def microbatching_1f1b(rank: int, world: int, ex: Expect, unshard: str,
     model = Transformer(args)
     ref = copy.deepcopy(model)
     for m in [*transformer_blocks(model), model]:
-        sw.fully_shard(m, reshard_after_forward=False)
+        _fully_shard(m, reshard_after_forward=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     dp = DataParallelRef(ref, world)
@@ -298,7 +305,7 @@ def interleaved_microbatches(rank: int, world: int, ex: Expect, reshard_after_fo
     model = Transformer(args)
     ref = copy.deepcopy(model)
     for m in [*transformer_blocks(model), model]:
-        sw.fully_shard(m, reshard_after_forward=reshard_after_forward)
+        _fully_shard(m, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     order = {"gpipe": ["F0", "F1", "F2", "B0", "B1", "B2"],
@@ -332,7 +339,7 @@ def accumulation_dtypes(rank: int, world: int, ex: Expect, offload: bool) -> Non
     gradient; unsynchronized ones accumulate in bf16 first, so 256 + 1 rounds to 256
     before a later -256 (FSDP2 gives 1 and 3 below)."""
     model = nn.Linear(1, 2, bias=False)
-    sw.fully_shard(model, mp_policy=sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    _fully_shard(model, mp_policy=sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16),
                    offload_policy=sw.CPUOffloadPolicy(pin_memory=False) if offload else None)
     for contributions, expected in ((((True, 256), (False, 1), (True, -256)), 1.0),
                                     (((True, 3), (False, 256), (False, 1), (True, -256)), 3.0)):

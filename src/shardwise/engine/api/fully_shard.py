@@ -20,12 +20,14 @@ from ..core.dtensor import TPContext, context_for, context_for_dims
 from ..core.hooks import forward_post_hook, forward_pre_hook
 from ..core.layout import shard_dim_for
 from ..core.policies import (
+    DEFAULT_COALESCE_BYTES,
     CPUOffloadPolicy,
     MeshInfo,
     MixedPrecisionPolicy,
     ShardingStrategy,
     WrapPolicy,
     WrapPolicyLike,
+    check_coalesce_bytes,
     check_fsdp1_ignored_classes,
     check_module,
     check_params,
@@ -259,7 +261,8 @@ def build_unit(module: nn.Module | list[nn.Module], info: MeshInfo,
                reshard_after_forward: bool, mp: MixedPrecisionPolicy | None,
                offload: CPUOffloadPolicy | None, ignored: set[int], owned: set[int] | None,
                tp: TPContext | None, auto: bool = True,
-               placements: dict[int, int] | None = None) -> None:
+               placements: dict[int, int] | None = None,
+               coalesce_bytes: int = DEFAULT_COALESCE_BYTES) -> None:
     """The steps of fully_shard after validation. `owned`: ids of the parameters this unit
     owns, when the caller computed ownership for the whole model (shard_model); None: take
     what no sharded child owns and re-home tied parameters shared with siblings."""
@@ -270,6 +273,7 @@ def build_unit(module: nn.Module | list[nn.Module], info: MeshInfo,
     unit.modules = list(modules)
     unit.auto_reshard_after_forward = auto
     unit.offload = offload
+    unit.coalesce_bytes = coalesce_bytes
     for sp in params:
         sp.owner = unit
     for m in modules:
@@ -395,6 +399,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     dp_mesh_dims: object | None = None,
+    coalesce_bytes: int | None = None,
 ) -> Any:
     """Shard `module`'s parameters (those not owned by already-sharded children) as one unit.
 
@@ -408,7 +413,12 @@ def fully_shard(
     takes the default dim ([Note: balanced shards] in core/layout.py). `dp_mesh_dims`
     (torch's DataParallelMeshDims): `mesh` is the full SPMD mesh the DTensor parameters
     live on, and these are its data-parallel dims ([Note: dp_mesh_dims] in core/dtensor.py).
+    `coalesce_bytes`: this unit may share one all-gather and one reduce-scatter with its
+    neighbours in forward order while their gathered bytes together stay within it (None:
+    4 MiB, `DEFAULT_COALESCE_BYTES`; 0: it gathers and reduces alone, as FSDP2 does;
+    [Note: coalesced units] in core/schedule.py).
     """
+    coalesce = check_coalesce_bytes(coalesce_bytes)
     modules = check_modules(module)
     mp, offload, ignored = check_options(modules, reshard_after_forward, mp_policy,
                                          offload_policy, ignored_params)
@@ -428,7 +438,8 @@ def fully_shard(
     if hpz is not None:
         check_hpz(hpz, info, tp, type(modules[0]).__name__)
     build_unit(modules, info, True if raf is None else bool(raf), mp, offload,
-               mark_ignored(ignored), None, tp, auto=raf is None, placements=placements)
+               mark_ignored(ignored), None, tp, auto=raf is None, placements=placements,
+               coalesce_bytes=coalesce)
     if hpz is not None:
         enable_hpz(own_unit(modules[0]), hpz)  # type: ignore[arg-type]
     return module
@@ -457,14 +468,17 @@ def shard_model(
     cpu_offload: bool | CPUOffloadPolicy = False,
     mesh: object | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    coalesce_bytes: int | None = None,
 ) -> nn.Module:
     """Shard `model` with the four FSDP knobs: units from the wrap policy, then the root.
 
     Each knob also takes PyTorch's FSDP1 object with FSDP1's meaning: its ShardingStrategy
     (`_HYBRID_SHARD_ZERO2` included), the policies of `torch.distributed.fsdp.wrap` and
     callables with FSDP1's `(module, recurse, nonwrapped_numel)` signature, MixedPrecision
-    (a field shardwise cannot honour is refused by name) and CPUOffload.
+    (a field shardwise cannot honour is refused by name) and CPUOffload. `coalesce_bytes`:
+    fully_shard's, for every unit.
     """
+    coalesce = check_coalesce_bytes(coalesce_bytes)
     check_module("model", model)
     ignored = mark_ignored(check_params("ignored_params", ignored_params))
     strategy = ShardingStrategy.parse(sharding_strategy)
@@ -492,7 +506,7 @@ def shard_model(
         if own_unit(m) is not None:
             raise ValueError(f"{name or type(m).__name__!r} is already sharded")
         build_unit(m, info, reshard, root_mp if m is model else mp, offload, ignored,
-                   owned[name], tp)
+                   owned[name], tp, coalesce_bytes=coalesce)
     return model
 
 

@@ -84,7 +84,15 @@ def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     if local.dtype != spec.tensor_meta.dtype:  # type: ignore[union-attr]
         meta = TensorMeta(spec.shape, spec.stride, local.dtype)
         spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    if _DTENSOR_NEW is not None:
+        return _DTENSOR_NEW(DTensor, local, spec, requires_grad=local.requires_grad)
     return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+
+
+# DTensor's constructor is this C function (it sets `_spec` and `_local_tensor`) followed by
+# an `__init__` that does nothing but pays a dynamo-disable and an export wrapper: a quarter
+# of a gradient's wrap, per parameter per step. Older torch builds the DTensor in Python.
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

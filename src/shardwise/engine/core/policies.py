@@ -744,3 +744,20 @@ def _span(units: Iterable[Any]) -> tuple[set[int], list[ProcessGroup | None]]:
             if all(g is not h for h in groups):
                 groups.append(g)
     return ranks, groups
+
+
+# [Note: coalesced units] in schedule.py. The default budget: units whose all-gather output
+# is this small or smaller share collectives with their neighbours up to this many bytes.
+# Chosen by measurement (benchmarks/coalesce.py, benchmarks/RESULTS.md "Issue 43").
+DEFAULT_COALESCE_BYTES = 4 << 20
+
+
+def check_coalesce_bytes(value: object) -> int:
+    """fully_shard's `coalesce_bytes`: None (the default budget) or an int >= 0."""
+    if value is None:
+        return DEFAULT_COALESCE_BYTES
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"coalesce_bytes={value!r} must be None (the default, "
+                         f"{DEFAULT_COALESCE_BYTES} bytes) or an int >= 0 (0: each unit "
+                         "gathers and reduces alone)")
+    return value

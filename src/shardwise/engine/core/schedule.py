@@ -45,6 +45,30 @@ owed part whose tick is later than the event's comes first (latest first). Whate
 owed at the final callback is settled there, the post-backward parts of stand-ins whose
 holder's inputs needed no gradient in the reverse-order pass, where such units reduce.
 
+[Note: coalesced units] Small units gather and reduce together: one all-gather for a run of
+consecutive units of the recorded forward order whose gathered bytes fit the budget, and one
+reduce-scatter for their gradients (DeepSpeed ZeRO-3's prefetch and reduce buckets; FSDP2
+issues one of each per unit, however small). Each collective costs a fixed latency and host
+work whatever its size, so for units of a few KiB that fixed part is the whole cost. A unit
+says whether and with whom it may coalesce (`coalesce()`: a key that its neighbours must
+share, its gathered bytes and its budget); the groups are cut from the recorded order when it
+changes (`_cut_groups`), so they are the same on every rank ([Note: structure decides]), and
+the first forward, which has no order yet, gathers unit by unit.
+- Gather: when the schedule gathers a member (its forward or backward reaches it, or a
+  prefetch), the group's members that are still sharded come in the same all-gather
+  (`unshard(together=...)`, in group order). Each member copies its own columns out when it
+  is waited for, and resharding stays per member, so a member's full parameters live as
+  they would alone; the group's all-gather output lives until its last member was waited
+  for (the planner replays this: planner/simulate.py). A prefetch looks past the group: the
+  next unit after it in forward, the one before it in backward.
+- Reduce: a member's post-backward packs its gradients into the group's reduce buffer
+  (`open_batch` / `reduce_grads(batch)`) instead of reducing; the batch is issued as one
+  reduce-scatter once every member packed, or at the first post-backward of a unit outside
+  the group (or the same member again), or at the end of backward: points every rank
+  reaches alike. A member that cannot pack now (inside no_sync) takes its own path.
+The budget is per unit (`fully_shard(coalesce_bytes=...)`), 0 gathers alone; a group's sum
+fits the smallest budget among its members.
+
 [Note: decision log] With `Schedule.log` set to a list, the schedule appends every decision
 it takes, in order, as (what, unit): "gather" (an all-gather issued), "wait" (a gather waited
 for: the full parameters are there), "reshard", "reduce" (the unit's reductions issued) and
@@ -60,7 +84,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 
@@ -119,14 +143,48 @@ class ScheduledUnit(Protocol):
     reshard_after_backward: bool
     is_root: bool
 
-    def unshard(self, async_op: bool = True) -> None: ...
+    def unshard(self, async_op: bool = True, together: Sequence[Any] = ()) -> None: ...
     def wait_unshard(self) -> None: ...
     def reshard(self) -> None: ...
-    def reduce_grads(self) -> Sequence[PendingReduce]: ...
+    def reduce_grads(self, batch: Any = None) -> Sequence[PendingReduce]: ...
     def has_unreduced_grads(self) -> bool: ...
+    def coalesce(self) -> Coalesce | None: ...
+    def open_batch(self, members: Sequence[Any]) -> ReduceBatch: ...
+
+
+@dataclass(frozen=True)
+class Coalesce:
+    """A unit's terms for sharing collectives with its neighbours ([Note: coalesced units])."""
+
+    key: object  # what neighbours must share (group, dtypes, transport)
+    nbytes: int  # its all-gather's output bytes
+    budget: int  # the most bytes a group holding it may gather
+
+
+class ReduceBatch(Protocol):
+    """A group's gradients packed into one buffer, reduced by one collective."""
+
+    def issue(self) -> Sequence[PendingReduce]:
+        """Reduce what the members packed (nothing packed: no collective)."""
+        ...
 
 
 U = TypeVar("U", bound=ScheduledUnit)
+
+
+@dataclass(eq=False)
+class _Group(Generic[U]):
+    members: list[U]
+    key: object
+    start: int  # the first and last member's places in the recorded order
+    end: int
+
+
+@dataclass(eq=False)
+class _Batch(Generic[U]):
+    group: _Group[U]
+    handle: ReduceBatch
+    packed: set[int] = field(default_factory=set)
 
 
 class Schedule(Generic[U]):
@@ -163,6 +221,10 @@ class Schedule(Generic[U]):
         # backward (empty unless a container member was skipped: nothing is paid).
         self.tick = 0
         self.owed: list[_Owed[U]] = []
+        # [Note: coalesced units] id(unit) -> its group (cut from the recorded order), and
+        # the group whose gradients are being packed in this backward.
+        self.groups: dict[int, _Group[U]] = {}
+        self._batch: _Batch[U] | None = None
 
     @property
     def in_backward(self) -> bool:
@@ -185,9 +247,12 @@ class Schedule(Generic[U]):
         self._wait(unit)
         pos = len(self.order_now) - 1
         if (self.prefetch and self.order and pos < len(self.order)
-                and self.order[pos] is unit and pos + 1 < len(self.order)):
+                and self.order[pos] is unit):
             # (An order that changed this step: no guessing.)
-            self._prefetch(self.order[pos + 1])
+            g = self.groups.get(id(unit)) if self.groups else None
+            nxt = pos + 1 if g is None else g.end + 1  # past the group ([Note: coalesced units])
+            if nxt < len(self.order):
+                self._prefetch(self.order[nxt])
         self.tick += 1
         return self.tick
 
@@ -227,6 +292,7 @@ class Schedule(Generic[U]):
         if [id(u) for u in self.order_now] != [id(u) for u in self.order]:
             self.order = list(self.order_now)
             self._index = {id(u): i for i, u in enumerate(self.order)}
+            self.groups = _cut_groups(self.order)
         for u in self.units:
             # A prefetch nobody used, or (no backward) anything.
             if u.state is ShardedState.GATHERING or (
@@ -258,6 +324,9 @@ class Schedule(Generic[U]):
         if not self.prefetch or not self.order:
             return
         i = self._index.get(id(unit))
+        g = self.groups.get(id(unit)) if self.groups and i is not None else None
+        if g is not None:
+            i = g.start  # the prefetch looks past the group ([Note: coalesced units])
         if i is not None and i > 0:
             nxt = self.order[i - 1]  # backward runs the forward order in reverse
         elif i == 0 and first and unit.is_root and len(self.order) > 1:
@@ -278,16 +347,42 @@ class Schedule(Generic[U]):
     def _post_backward(self, unit: U) -> None:
         self.reduced.add(id(unit))
         unit.training_state = TrainingState.POST_BACKWARD
-        reductions = unit.reduce_grads()
+        g = self.groups.get(id(unit)) if self.groups else None
+        b = self._batch
+        if b is not None and (b.group is not g or id(unit) in b.packed):
+            self._issue_batch()  # [Note: coalesced units]: the group's run is over
+            b = None
+        if g is not None and unit.coalesce() is not None:
+            if b is None:
+                b = self._batch = _Batch(g, unit.open_batch(g.members))
+            b.packed.add(id(unit))
+            reductions = unit.reduce_grads(b.handle)
+            if len(b.packed) == len(g.members):
+                self._issue_batch()
+        else:
+            reductions = unit.reduce_grads()
         if reductions and self.log is not None:
             self.log.append(("reduce", unit))
+        self._add_pending(reductions)
+        if unit.reshard_after_backward:
+            self._reshard(unit)
+
+    def _add_pending(self, reductions: Sequence[PendingReduce]) -> None:
         for pr in reductions:
             self.pending.append(pr)
             while len(self.pending) > self.limits.reduces:
                 self._finish_oldest()
             self.most_reduces = max(self.most_reduces, len(self.pending))
-        if unit.reshard_after_backward:
-            self._reshard(unit)
+
+    def _issue_batch(self) -> None:
+        b, self._batch = self._batch, None
+        assert b is not None
+        reductions = b.handle.issue()
+        if self.log is not None:
+            # One entry per member whose gradients it carries, as if each reduced alone.
+            for pr in reductions:
+                self.log.extend(("reduce", u) for u in getattr(pr, "units", (pr.unit,)))
+        self._add_pending(reductions)
 
     def end_backward(self) -> None:
         """After the whole backward: finish the units whose post-backward never ran (inputs
@@ -314,6 +409,8 @@ class Schedule(Generic[U]):
                 continue
             if u.state is not ShardedState.SHARDED or u.has_unreduced_grads():
                 self._post_backward(u)
+        if self._batch is not None:
+            self._issue_batch()
         while self.pending:
             self._finish_oldest()
         for u in self.units:
@@ -353,18 +450,39 @@ class Schedule(Generic[U]):
         self._gathering = [u for u in self._gathering if u.state is ShardedState.GATHERING]
         in_flight = len(self._gathering)
         if in_flight < self.limits.gathers:
-            unit.unshard(async_op=True)
+            self._gather(unit, self._together(unit))
             self._gathering.append(unit)
-            if self.log is not None:
-                self.log.append(("gather", unit))
             self.prefetches += 1
             self.most_gathers = max(self.most_gathers, in_flight + 1)
 
 
     # --- acting on a unit ([Note: decision log]) ----------------------------------------
 
+    def _together(self, unit: U) -> Sequence[U]:
+        """The members of `unit`'s group that gather with it now: those still sharded and
+        still on the group's terms, in group order (none: `unit` gathers alone)."""
+        g = self.groups.get(id(unit)) if self.groups else None
+        if g is None or self.state is TrainingState.IDLE:
+            return ()
+        backward = self.state is TrainingState.PRE_BACKWARD
+        members = [m for m in g.members if m.state is ShardedState.SHARDED
+                   and (c := m.coalesce()) is not None and c.key == g.key
+                   and not (backward and not _unshards_in_backward(m))]
+        return members if len(members) > 1 and unit in members else ()
+
+    def _gather(self, unit: U, together: Sequence[U]) -> None:
+        unit.unshard(async_op=True, together=together)
+        if self.log is not None:
+            for m in together or (unit,):
+                self.log.append(("gather", m))
+
     def _wait(self, unit: U) -> None:
         before = unit.state
+        if before is ShardedState.SHARDED and self.groups:
+            together = self._together(unit)
+            if together:
+                self._gather(unit, together)
+                before = unit.state
         unit.wait_unshard()
         if self.log is not None:
             self._record(unit, before)
@@ -408,6 +526,42 @@ class _Owed(Generic[U]):
     end: int
     late: bool  # its post-backward part waits for the final callback's pass
     pre: bool = True  # its pre-backward part is still owed
+
+
+def _cut_groups(order: Sequence[U]) -> dict[int, _Group[U]]:
+    """[Note: coalesced units] Runs of consecutive units of the forward order that share a
+    key and whose gathered bytes fit the smallest budget among them. A unit that runs more
+    than once per step (a tied module, a unit called twice) stays alone: its places in the
+    order are not one."""
+    seen: dict[int, int] = {}
+    for u in order:
+        seen[id(u)] = seen.get(id(u), 0) + 1
+    groups: dict[int, _Group[U]] = {}
+    run: list[U] = []
+    run_start, total, budget, key = 0, 0, 0, None
+
+    def close() -> None:
+        if len(run) > 1:
+            g = _Group(list(run), key, run_start, run_start + len(run) - 1)
+            for m in run:
+                groups[id(m)] = g
+        run.clear()
+
+    for i, u in enumerate(order):
+        c = u.coalesce() if seen[id(u)] == 1 else None
+        if c is None or c.budget <= 0 or c.nbytes > c.budget:
+            close()
+            continue
+        if run and c.key == key and total + c.nbytes <= min(budget, c.budget):
+            run.append(u)
+            total += c.nbytes
+            budget = min(budget, c.budget)
+            continue
+        close()
+        run.append(u)
+        run_start, total, budget, key = i, c.nbytes, c.budget, c.key
+    close()
+    return groups
 
 
 def _unshards_in_backward(unit: ScheduledUnit) -> bool:

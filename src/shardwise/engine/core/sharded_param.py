@@ -214,6 +214,14 @@ class ShardedParam:
     """One parameter's shard and its views, its unsharded storage, its gradients, a
     subclass shard's all-gather hooks and its materialization ([Note: layout])."""
 
+    # How many times any parameter's tensors were (re)made: the shard, the sharded and
+    # unsharded Parameters, the buffers behind them (`_build`, `set_unsharded`). A unit keeps
+    # per-layout lists of these tensors for its per-step loops (unit.py's `UnitHot`,
+    # `BucketHot`) and remakes them when this moved, so a loop never copies into a buffer a
+    # parameter no longer uses. Rare (materialize, a loaded quantized base), so a count over
+    # all parameters costs nothing and needs no owner bookkeeping.
+    rebuilds = 0
+
     def __init__(
         self,
         param: nn.Parameter,
@@ -307,6 +315,7 @@ class ShardedParam:
 
     def _build(self, padded: torch.Tensor, meta: bool) -> None:
         """Create the sharded and unsharded Parameter objects around `padded`."""
+        ShardedParam.rebuilds += 1
         self._padded_shard = padded
         old = getattr(self, "sharded", None)
         if old is not None:
@@ -553,7 +562,14 @@ class ShardedParam:
     def set_shard_grad(self, rows: torch.Tensor) -> None:
         """Make `rows` (plain, shaped like `local`) the sharded gradient."""
         face = self.from_rows(rows)
-        self.sharded.grad = face if self.spec is None else DT.wrap(face, self.spec)
+        if self.spec is None:
+            self.sharded.grad = face
+            return
+        # The parameter's own spec object (equal to `self.spec`): DTensor caches sharding
+        # propagation per spec, so a gradient with an equal but distinct spec pays a hash
+        # and a comparison in every optimizer op between the two (SGD's add_ took twice as
+        # long, issue 43).
+        self.sharded.grad = DT.wrap(face, getattr(self.sharded, "_spec", self.spec))
 
     # ---- post-accumulate-grad hooks ([Note: post-accumulate-grad hooks] in unit.py) ----
 
@@ -585,7 +601,9 @@ class ShardedParam:
             self._hidden_hooks.clear()
         else:
             hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
-        for hook in list((hooks or {}).values()):
+            if not hooks:
+                return
+        for hook in list(hooks.values()):
             hook(self.sharded)
 
     # ---- tensor-subclass shards (NF4, float8) and their all-gather hooks ----
@@ -628,6 +646,7 @@ class ShardedParam:
 
     def set_unsharded(self, param: nn.Parameter) -> None:
         """The unsharded parameter an extension's first post hook made."""
+        ShardedParam.rebuilds += 1
         param._sw_param = self
         self.unsharded = param
 

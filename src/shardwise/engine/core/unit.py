@@ -30,10 +30,11 @@ from ..comm import collectives as C
 from ..comm.process_group import block_group
 from ..comm.transport import Transport, transport_for
 from ..comm.work import Work
+from . import dtensor as DT
 from .events import Event, EventSink, Span, now
 from .layout import full_into_rows
-from .policies import CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
-from .schedule import Schedule, ShardedState, TrainingState
+from .policies import DEFAULT_COALESCE_BYTES, CPUOffloadPolicy, MeshInfo, MixedPrecisionPolicy
+from .schedule import Coalesce, Schedule, ShardedState, TrainingState
 from .sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -229,12 +230,23 @@ class FlatBucket:
     # (made once per layout: the bucket is rebuilt when the layout changes).
     _all_flags: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
+    # What the per-step loops read (BucketHot), made at first use.
+    _hot: BucketHot | None = None
+
     def all_flags(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         ones = self._all_flags.get(dtype)
         if ones is None:
             ones = self._all_flags[dtype] = torch.ones(len(self.grad_params), dtype=dtype,
                                                        device=device)
         return ones
+
+    def hot(self) -> BucketHot:
+        """The bucket's per-step views and lists; remade after any parameter was rebuilt
+        (`ShardedParam.rebuilds`), the bucket itself being remade when the layout changes."""
+        h = self._hot
+        if h is None or h.rebuilds != ShardedParam.rebuilds:
+            h = self._hot = BucketHot(self)
+        return h
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -249,6 +261,71 @@ class FlatBucket:
                 self.grad_numel += p.chunk_numel
 
 
+class BucketHot:
+    """One bucket's parameters as the per-step loops use them, computed once per layout:
+    per step a unit then pays one op per bucket, not one call chain per parameter (the
+    host's cost of a small unit, issue 43; [Note: layout] in sharded_param.py)."""
+
+    def __init__(self, g: FlatBucket) -> None:
+        self.rebuilds = ShardedParam.rebuilds
+        # The gathered parameters' unsharded storages and their sizes (direct ones have
+        # none: the sharded parameter is the unsharded one).
+        self.allocs = [(p._storage, p._nbytes) for p in g.gathered
+                       if not p.direct and p._storage is not None]
+        # Where the gathered rows go, (S, chunk) each: None when a parameter on another dim
+        # is copied into its own layout instead (`ShardedParam.copy_out`).
+        dsts = [p.unsharded_rows_view() for p in g.gathered]
+        self.rows_dsts = dsts if all(d is not None for d in dsts) else None
+        # One rank (nothing gathered): the shards straight into the unsharded parameters,
+        # one fused copy for the dim-0 ones, `copy_out` for the others.
+        local = [p for p in g.gathered if not p.direct]
+        self.local_dsts = [p._rows for p in local if p._rows is not None]
+        self.local_srcs = [p.padded_shard.view(1, -1) for p in local if p._rows is not None]
+        self.local_other = [p for p in local if p._rows is None]
+        # Per gradient parameter: its rows in the reduce output and the shape of `local`.
+        self.grads = [(p, off, p.local_rows * p.row_numel, p.local.shape)
+                      for p, off in zip(g.grad_params, g.grad_offsets)]
+        # Packing as one concatenation of (S, chunk) views: each gradient splits into S
+        # equal chunks (dim 0, no padding row, not 0-d), as `pack_grad` would lay it out.
+        self.grad_rows = [(p.shard_size, p.chunk_numel) for p in g.grad_params]
+        self.pack_fused = all(p.shard_dim == 0 and not p.scalar and p.chunk_rows > 0
+                              and p.dim0 == p.shard_size * p.chunk_rows
+                              for p in g.grad_params)
+
+
+class UnitHot:
+    """A unit's per-layout lists for the per-step swaps, frees and checks (see BucketHot)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.rebuilds = ShardedParam.rebuilds
+        places = [(ref.module._parameters, ref.name, p) for p in unit.params for ref in p.refs]
+        # What the modules hold unsharded and sharded, per place a module refers to.
+        self.to_unsharded = [(d, n, p.unsharded) for d, n, p in places]
+        self.to_sharded = [(d, n, p.sharded) for d, n, p in places]
+        self.sharded = [p.sharded for p in unit.params]
+        self.frees = [p._storage for p in unit.params
+                      if not p.direct and p._storage is not None]
+        self.exts = [p.ext for p in unit.params if p.ext is not None]
+        # The tensor each parameter's all-gather hooks would be found on, and whether it had
+        # them: `extensions_changed` asks both names of each, as refresh_extension does.
+        self.probe = [(DT.local_of(p.sharded), p.ext is not None) for p in unit.params]
+        # Where the user's requires_grad flag is read (follow_requires_grad).
+        self.flags = [(p.refs[0].module._parameters, p.refs[0].name, p) for p in unit.params]
+
+    def extensions_changed(self) -> bool:
+        """Whether some parameter's shard gained or lost FSDP2's all-gather hooks."""
+        for t, had in self.probe:
+            if (hasattr(t, "fsdp_pre_all_gather") or hasattr(t, "fsdp_post_all_gather")) != had:
+                return True
+        return False
+
+
+def _alloc_all(allocs: list[tuple[Any, int]]) -> None:
+    for storage, nbytes in allocs:
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+
 @dataclass
 class PendingGather:
     bucket: FlatBucket
@@ -259,6 +336,82 @@ class PendingGather:
     blocked: float = 0.0  # seconds a synchronous all-gather held the caller inside the call
     # CUDA: an event after the all-gather on its own stream ([Note: streams]); None on CPU.
     done: Any = None
+    # [Note: coalesced units] The group's one all-gather this bucket is part of, and where
+    # its columns start in the group's rows (then `send` is None and `out` the group's).
+    shared: SharedGather | None = None
+    col: int = 0
+
+
+@dataclass(eq=False)
+class SharedGather:
+    """One all-gather for a group of units ([Note: coalesced units] in schedule.py): waited
+    for by the first member that needs it, its buffers given back by the last."""
+
+    lead: Unit
+    send: torch.Tensor
+    out: torch.Tensor
+    numel: int  # one rank's chunk: the members' chunks side by side
+    left: int  # members that have not copied their columns out yet
+    waited: float | None = None  # the exposed seconds of the one wait, once waited
+
+    def rows(self, S: int, col: int, numel: int) -> torch.Tensor:
+        return self.out.view(S, self.numel)[:, col : col + numel]
+
+    def release(self, start: float, blocked: float) -> None:
+        self.left -= 1
+        if self.left:
+            return
+        lead = self.lead
+        lead.pool.release(self.send)
+        lead.pool.release(self.out)
+        nbytes = self.out.numel() * self.out.element_size()
+        lead.emit("all_gather", "all_gather", nbytes, start, (self.waited or 0.0) + blocked)
+
+
+def gather_together(units: Sequence[Unit], async_op: bool) -> None:
+    """Issue one all-gather for `units` (sharded, on the same `coalesce()` key), each member's
+    chunk after the previous one's in every rank's row ([Note: coalesced units])."""
+    lead = units[0]
+    mesh, transport, S = lead.mesh, lead.transport, lead.mesh.shard_size
+    dtype = lead.buckets[0].dtype
+    cols, total = [], 0
+    for u in units:
+        cols.append(total)
+        total += u.buckets[0].numel
+    streams = lead.ctx.streams if lead.ctx is not None else None
+    start = now()
+    with _on(streams and streams.copy_in):  # [Note: streams]
+        out = lead.pool.get(total * S, dtype, mesh.device)
+        send = transport.gather_buffer(total, dtype, mesh.device, lead.pool)
+        shard = send[:total]
+        dsts, srcs = [], []
+        for u, col in zip(units, cols):
+            g = u.buckets[0]
+            for p, off in zip(g.gathered, g.offsets):
+                dsts.append(shard[col + off : col + off + p.chunk_numel])
+                srcs.append(p.padded_shard.reshape(-1))
+            u.copied["gather_in"] += (g.numel * shard.element_size()
+                                      * (transport.size if transport.name == "all_to_all"
+                                         else 1))
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    done, blocked = None, 0.0
+    if streams is not None:
+        streams.all_gather.wait_stream(streams.copy_in)
+        with _on(streams.all_gather):
+            work = transport.all_gather(out, send, total, False, label=lead.label)
+            done = record(streams.all_gather)
+    else:
+        with Span() as call:
+            work = transport.all_gather(out, send, total, async_op, label=lead.label)
+        blocked = 0.0 if async_op else call.seconds
+    shared = SharedGather(lead, send, out, total, len(units))
+    for u, col in zip(units, cols):
+        u._gathers.append(PendingGather(u.buckets[0], None, out, work, start, blocked, done,
+                                        shared, col))
+        u._gather_size = transport.size
+        u.post_forward = None
+        u.state = ShardedState.GATHERING
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,6 +427,13 @@ def prescale(factor: float) -> float | None:
     if factor == 1 or factor <= 0 or math.frexp(factor)[0] != 0.5:
         return None
     return 1.0 / factor
+
+
+# A scaled fused pack copies, then scales in place: two passes over the buffer where the
+# per-parameter `pack_grad` makes one. Below this many elements the per-parameter calls
+# cost more than the second pass. Only where the gradients are in the reduce dtype: a cast
+# before the scale rounds as the per-parameter pack (which scales, then casts) may not.
+_FUSED_SCALED_MAX = 1 << 16
 
 
 def pack_grad(p: ShardedParam, grad: torch.Tensor | None, dst: torch.Tensor,
@@ -565,24 +725,11 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
         return None  # one rank, no casts: the gradients already are the result
     start = now()
     dtype = unit.reduce_dtype_for[g.dtype]
-    # Which parameters this rank has no gradient for: known on the host, never read back.
-    missing = tuple(i for i, x in enumerate(grads) if x is None)
-    k = len(g.grad_params)
-    width = g.grad_numel + k
+    width = g.grad_numel + len(g.grad_params)
     # With S == 1 the packed buffer becomes the gradients: not pooled.
     send = (unit.pool.get(width * S, dtype, mesh.device) if S > 1
             else torch.empty(width, dtype=dtype, device=mesh.device))
-    rows = send.view(S, width)
-    scale, post = divide(unit, dtype)
-    for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
-        pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
-        p.drop_local_grad()
-    # [Note: unused gradients] flags, written on the device: ones (made once per layout),
-    # a zero column per missing gradient (no host list copied to the device).
-    rows[:, g.grad_numel :].copy_(g.all_flags(dtype, mesh.device))
-    for i in missing:
-        rows[:, g.grad_numel + i].zero_()
-    unit.copied["pack"] += send.numel() * send.element_size()
+    missing, post = _pack(unit, g, grads, send.view(S, width))
     if S > 1:
         out = torch.empty(width, dtype=dtype, device=mesh.device)
         streams = unit.ctx.streams if unit.ctx is not None else None
@@ -614,6 +761,154 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
     return PendingReduce(unit, g, None, send, work, start, missing, post)
+
+
+def _pack(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None],
+          rows: torch.Tensor) -> tuple[tuple[int, ...], float]:
+    """Pack the bucket's gradients and flags into `rows` (S, grad_numel + flags), dropping
+    the unsharded gradients; (the indices this rank had no gradient for, what is left to
+    divide by after the sum)."""
+    dtype = rows.dtype
+    # Which parameters this rank has no gradient for: known on the host, never read back.
+    missing = tuple(i for i, x in enumerate(grads) if x is None)
+    scale, post = divide(unit, dtype)
+    hot = g.hot()
+    S, k = rows.shape[0], len(g.grad_params)
+    if hot.pack_fused and not missing and rows.is_contiguous() and (scale is None or (
+            dtype == g.dtype and rows.numel() <= _FUSED_SCALED_MAX)):
+        # The whole row in one op: each gradient's S chunks and the flags (all ones, no
+        # gradient missing), rank-major, as `pack_grad` lays them out one by one. (A
+        # group's span is a strided view of its buffer: packed one by one below.)
+        torch.cat([*(x.reshape(shape) for x, shape in zip(grads, hot.grad_rows)),  # type: ignore[union-attr]
+                   g.all_flags(dtype, rows.device).expand(S, k)], dim=1, out=rows)
+        if scale is not None:
+            rows[:, : g.grad_numel].mul_(scale)
+        for p in g.grad_params:
+            p.drop_local_grad()
+    else:
+        for p, off, grad in zip(g.grad_params, g.grad_offsets, grads):
+            pack_grad(p, grad, rows[:, off : off + p.chunk_numel], scale)
+            p.drop_local_grad()
+        # [Note: unused gradients] flags, written on the device: ones (made once per
+        # layout), a zero column per missing gradient (no host list copied to the device).
+        rows[:, g.grad_numel :].copy_(g.all_flags(dtype, rows.device))
+        for i in missing:
+            rows[:, g.grad_numel + i].zero_()
+    unit.copied["pack"] += rows.numel() * rows.element_size()
+    return missing, post
+
+
+class GroupReduce:
+    """A group's gradients in one reduce buffer, reduced by one reduce-scatter ([Note:
+    coalesced units] in schedule.py). Each member owns a fixed span of every rank's row,
+    in group order, whichever order the members pack in; a span nobody packed by the time
+    the batch is issued is zeros (every rank leaves the same spans, so no rank reads them)."""
+
+    def __init__(self, members: Sequence[Unit]) -> None:
+        self.members = list(members)
+        c = next((c for m in members if (c := m.coalesce()) is not None), None)
+        self.key = None if c is None else c.key
+        self.spans: dict[int, tuple[int, int]] = {}
+        width = 0
+        for m in members:
+            mc = m.coalesce()
+            if mc is None or mc.key != self.key or not m.buckets[0].grad_params:
+                continue  # (a frozen member reduces nothing: reduce_grads passes it by)
+            g = m.buckets[0]
+            w = g.grad_numel + len(g.grad_params)
+            self.spans[id(m)] = (width, w)
+            width += w
+        self.width = width
+        self.rows: torch.Tensor | None = None
+        self.packed: list[tuple[Unit, int, int, tuple[int, ...], float]] = []
+        self.start = 0.0
+
+    def accepts(self, unit: Unit) -> bool:
+        span = self.spans.get(id(unit))
+        return span is not None and all(id(unit) != id(u[0]) for u in self.packed) and (
+            (c := unit.coalesce()) is not None and c.key == self.key)
+
+    def pack(self, unit: Unit) -> None:
+        g = unit.buckets[0]
+        grads = [p.local_grad() for p in g.grad_params]
+        if self.rows is None:
+            self.start = now()
+            S = unit.mesh.shard_size
+            dtype = unit.reduce_dtype_for[g.dtype]
+            self.rows = unit.pool.get(self.width * S, dtype, unit.mesh.device).view(
+                S, self.width)
+        off, w = self.spans[id(unit)]
+        missing, post = _pack(unit, g, grads, self.rows[:, off : off + w])
+        self.packed.append((unit, off, w, missing, post))
+
+    def issue(self) -> Sequence[GroupPending]:
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return ()  # nobody packed: alike on every rank, no collective
+        packed = {id(u) for u, *_ in self.packed}
+        for m in self.members:
+            if id(m) in self.spans and id(m) not in packed:
+                off, w = self.spans[id(m)]
+                rows[:, off : off + w].zero_()
+        lead = self.packed[0][0]
+        mesh = lead.mesh
+        send = rows.view(-1)
+        out = torch.empty(self.width, dtype=rows.dtype, device=mesh.device)
+        streams = lead.ctx.streams if lead.ctx is not None else None
+        done = None
+        if streams is not None:
+            rs = streams.reduce_scatter  # [Note: streams], as reduce_bucket
+            rs.wait_stream(torch.cuda.current_stream(mesh.device))
+            with torch.cuda.stream(rs):
+                work = lead.transport.reduce_scatter(out, send, False, lead.pool,
+                                                     label=lead.label)
+                done = record(rs)
+        else:
+            work = lead.transport.reduce_scatter(out, send, True, lead.pool,
+                                                 label=lead.label)
+        return (GroupPending(lead, send, out, work, self.start, list(self.packed), done),)
+
+
+@dataclass(eq=False)
+class GroupPending:
+    """A group's reduce-scatter in flight; finishing writes every member's gradients."""
+
+    unit: Unit  # the first member that packed (named in the schedule's log)
+    send: torch.Tensor
+    out: torch.Tensor
+    work: Work
+    start: float
+    packed: list[tuple[Unit, int, int, tuple[int, ...], float]]
+    done: Any = None
+    finished: bool = False
+
+    @property
+    def units(self) -> list[Unit]:
+        """The members whose gradients it carries (the schedule's log names each)."""
+        return [u for u, *_ in self.packed]
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        lead = self.unit
+        if self.done is not None:
+            waited = ExposedWait(self.done, bool(lead.ctx and lead.ctx.sinks)).seconds
+            out = self.out
+        else:
+            with Span() as wait:
+                out = self.work.wait()
+            waited = wait.seconds
+        nbytes = out.numel() * out.element_size()
+        if lead.mesh.transport.name != "native":
+            lead.copied["reduce_sum"] += nbytes
+        lead.emit("reduce_scatter", "reduce_scatter", nbytes * lead.mesh.shard_size,
+                  self.start, waited)
+        lead.pool.release(self.send)
+        for u, off, w, missing, post in self.packed:
+            part = out[off : off + w]
+            finish_reduce(u, PendingReduce(u, u.buckets[0], None, part, Work(None, part),
+                                           self.start, missing, post, finished=True))
 
 
 def divide(unit: Unit, dtype: torch.dtype) -> tuple[float | None, float]:
@@ -694,27 +989,27 @@ def finish_reduce(unit: Unit, pr: PendingReduce) -> None:
     if hook is not None and not unit.force_sum_reduction:
         _run_hook(unit, hook, out[:n_grad])
     missing = set(pr.missing)
-    with torch.no_grad():
-        for i, (p, off) in enumerate(zip(pr.bucket.grad_params, pr.bucket.grad_offsets)):
-            n = p.local_rows * p.row_numel
-            grad = out[off : off + n].view(p.local.shape)
-            have = p.shard_grad
-            hooked = p.post_accumulate_hooks()
+    unsure = unit.unsure
+    with _NoGrad():
+        for i, (p, off, n, shape) in enumerate(pr.bucket.hot().grads):
+            grad = out[off : off + n].view(shape)
+            fresh = p.sharded.grad is None
             if grad.dtype != p.orig_dtype or grad.device != p.host_device:
-                grad = _to_host(unit, grad, p, have is None, bool(hooked))
+                grad = _to_host(unit, grad, p, fresh, bool(p.post_accumulate_hooks()))
                 unit.copied["reduce_out"] += n * grad.element_size()
             if i in missing:
                 # Its count may be 0 (no rank computed it): read once, at the end of backward.
-                unit.unsure.note(p, have is None, out[n_grad + i : n_grad + i + 1])
+                unsure.note(p, fresh, out[n_grad + i : n_grad + i + 1])
             else:
-                unit.unsure.used(p)
-            if p.direct or have is None:
+                unsure.used(p)
+            if p.direct or fresh:
                 # Direct params accumulated locally; the reduced sum replaces it.
                 p.set_shard_grad(grad)
                 if p.direct:
                     p.mark_reduced()
             else:
-                have.add_(grad)  # the DTensor gradient's local tensor: no dispatch
+                # The DTensor gradient's local tensor: no dispatch.
+                p.shard_grad.add_(grad)  # type: ignore[union-attr]
             if i not in missing:
                 p.run_post_accumulate_hooks()
 
@@ -741,11 +1036,15 @@ class UnsureGrads:
 
     def used(self, p: ShardedParam) -> None:
         self.seen.add(id(p))
-        e = self.entries.get(id(p))
-        if e is not None:
-            e[3] = True  # it has a gradient whatever the counts; its hooks ran then
+        if self.entries:
+            e = self.entries.get(id(p))
+            if e is not None:
+                e[3] = True  # it has a gradient whatever the counts; its hooks ran then
 
     def settle(self) -> None:
+        if not self.entries:  # every unit, every backward: nothing was missing here
+            self.seen.clear()
+            return
         entries = [e for e in self.entries.values() if not e[3]]
         self.clear()
         if not entries:
@@ -831,6 +1130,20 @@ def _to_host(unit: Unit, grad: torch.Tensor, p: ShardedParam, fresh: bool,
     if non_blocking:
         unit.offload_events.append(record(torch.cuda.current_stream(grad.device)))
     return dst
+
+
+class _NoGrad:
+    """`torch.no_grad()` for the per-step paths: the same switch, without the decorator
+    machinery torch's class runs on entry (five Python calls, several times per unit)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
 
 
 def _on(stream: Any) -> Any:
@@ -924,7 +1237,12 @@ class Unit:
         # reduction that all-reduces adds it in (unit.py, [Note: deferred all-reduce]).
         self.requires_all_reduce = True
         self.partial_reduce: dict[int, torch.Tensor] = {}
+        # [Note: coalesced units] in schedule.py: the most all-gather bytes a group holding
+        # this unit may gather in one collective (0: this unit gathers alone).
+        self.coalesce_bytes = DEFAULT_COALESCE_BYTES
         self.params: list[ShardedParam] = []
+        # The per-step lists of this layout (UnitHot), made at first use.
+        self._hot: UnitHot | None = None
         self.set_params(params)
 
     # --- parameters ------------------------------------------------------------------
@@ -933,6 +1251,7 @@ class Unit:
         """(Re)build the flat layout; used when a tied parameter is re-homed into a parent."""
         assert self.state is ShardedState.SHARDED, "layout changes only while sharded"
         self.params = list(params)
+        self._hot = None
         self.post_forward = None
         assert not self.partial_reduce, "layout changes only without deferred reductions"
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
@@ -943,6 +1262,13 @@ class Unit:
         rd = self.mp.reduce_dtype if self.mp else None
         # Communication dtype -> gradient reduction dtype, fixed by the layout.
         self.reduce_dtype_for = {g.dtype: (rd or g.dtype) for g in self.buckets}
+
+    def hot(self) -> UnitHot:
+        """This layout's per-step lists, remade after any parameter was rebuilt."""
+        h = self._hot
+        if h is None or h.rebuilds != ShardedParam.rebuilds:
+            h = self._hot = UnitHot(self)
+        return h
 
     def follow_requires_grad(self) -> None:
         """Take up `requires_grad` changes the user made since sharding (between steps).
@@ -956,10 +1282,11 @@ class Unit:
         # callback was finished): what a backward that raised left of its unused-gradient
         # counts belongs to no step, and added to the next one's kept a gradient no rank
         # computed ([Note: unused gradients], UnsureGrads). reset_iter_state leaves them.
-        self.unsure.clear()
+        if self.unsure.entries or self.unsure.seen:
+            self.unsure.clear()
         changed = False
-        for p in self.params:
-            held = p.refs[0].module._parameters.get(p.refs[0].name)
+        for params, name, p in self.hot().flags:
+            held = params.get(name)
             want = held.requires_grad if held is not None else p.requires_grad
             if want != p.requires_grad:
                 changed = True
@@ -967,6 +1294,27 @@ class Unit:
         if changed:
             self.reshard()
             self.set_params(self.params)
+
+    def coalesce(self) -> Coalesce | None:
+        """This unit's terms for sharing its all-gather and reduce-scatter with neighbours
+        ([Note: coalesced units] in schedule.py); None: it gathers and reduces alone. Only
+        the plain path coalesces: one bucket, a sharded group with no replicas, the mesh's
+        own transport, no all-gather extensions, no hpZ, no all-reduce hook."""
+        mesh = self.mesh
+        if (self.coalesce_bytes <= 0 or mesh.shard_size == 1 or mesh.replicate_size > 1
+                or len(self.buckets) != 1 or self.ext_params or self.hpz is not None
+                or self.transport is not mesh.transport or self.all_reduce_hook is not None):
+            return None
+        g = self.buckets[0]
+        if g.numel == 0:
+            return None
+        t = self.transport
+        key = (t.name, id(t.group), mesh.device, g.dtype, self.reduce_dtype_for[g.dtype])
+        return Coalesce(key, g.numel * mesh.shard_size * g.dtype.itemsize, self.coalesce_bytes)
+
+    def open_batch(self, members: Sequence[Unit]) -> GroupReduce:
+        """An empty reduce batch for `members` (the schedule's group, in order)."""
+        return GroupReduce(members)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -995,14 +1343,24 @@ class Unit:
 
     # ---- the gather half: unshard / wait_unshard / reshard ----
 
-    def unshard(self, async_op: bool = True) -> None:
-        """Issue the all-gather (idempotent: no-op unless SHARDED)."""
+    def unshard(self, async_op: bool = True, together: Sequence[Unit] = ()) -> None:
+        """Issue the all-gather (idempotent: no-op unless SHARDED). `together`: the sharded
+        members of this unit's group, this one among them, gathered in one all-gather
+        ([Note: coalesced units] in schedule.py)."""
         if self.state is not ShardedState.SHARDED:
             return
         # FSDP2 asks each shard for its all-gather hooks at every gather: hooks patched onto
         # a shard after the first forward gather from the next one on.
-        if any([p.refresh_extension() for p in self.params]):
-            self.set_params(self.params)
+        for u in together or (self,):
+            if u.hot().extensions_changed() and any([p.refresh_extension()
+                                                     for p in u.params]):
+                u.set_params(u.params)
+        if together:
+            c = self.coalesce()
+            if c is not None and all((m.coalesce() or c).key == c.key for m in together) and all(
+                    m.coalesce() is not None for m in together):
+                gather_together(together, async_op)
+                return
         S, transport = self.mesh.shard_size, self.transport
         # [Note: hpZ] The rows kept after forward serve the backward that follows only.
         kept, self.post_forward = self.post_forward, None
@@ -1104,42 +1462,59 @@ class Unit:
         if self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
         S = self.mesh.shard_size
-        with torch.no_grad():
+        with _NoGrad():
             for pg in self._gathers:
+                shared = pg.shared
+                if shared is not None:  # [Note: coalesced units]
+                    # Waited once (CUDA: every member's stream waits for the event).
+                    if shared.waited is None or pg.done is not None:
+                        w = self._wait(pg)
+                        shared.waited = w if shared.waited is None else shared.waited
+                    rows = shared.rows(S, pg.col, pg.bucket.numel)
+                    self._copy_out(pg, rows)
+                    shared.release(pg.start, pg.blocked)
+                    continue
                 waited = self._wait(pg)
                 self.pool.release(pg.send)
                 rows = pg.out.view(S, pg.bucket.numel)
-                for p in pg.bucket.gathered:
-                    p.alloc_unsharded()
-                # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
-                # views so the copy does not bump the autograd version counter that tensors
-                # saved in forward check in backward (they alias this storage).
-                dsts = [p.unsharded_rows_view() for p in pg.bucket.gathered]
-                if all(d is not None for d in dsts):
-                    torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
-                else:
-                    # A parameter on another dim is copied into its own layout
-                    # ([Note: layout] in sharded_param.py), on this (compute) stream too.
-                    for p, part in zip(pg.bucket.gathered,
-                                       rows.split(pg.bucket.sizes, dim=1)):
-                        p.copy_out(part)
-                self.copied["gather_out"] += pg.out.numel() * pg.out.element_size()
+                self._copy_out(pg, rows)
                 self.pool.release(pg.out)
                 self.emit("all_gather", "all_gather", pg.out.numel() * pg.out.element_size(),
                            pg.start, waited + pg.blocked)
             if self._ext_gather is not None:
                 self._finish_extensions(self._ext_gather)
             if S == 1:
-                for p in self.params:
-                    if not p.direct and p.ext is None:
-                        p.alloc_unsharded()
+                for g in self.buckets:
+                    hot = g.hot()
+                    _alloc_all(hot.allocs)
+                    if hot.local_dsts:
+                        torch._foreach_copy_(hot.local_dsts, hot.local_srcs,
+                                             non_blocking=True)
+                    for p in hot.local_other:
                         p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
         self._gathers.clear()
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.unsharded
-        self._gathered_versions = [p.sharded._version for p in self.params]
+        uh = self.hot()  # after the extensions' post hooks, which may make new parameters
+        for params, name, t in uh.to_unsharded:
+            params[name] = t
+        self._gathered_versions = [t._version for t in uh.sharded]
         self.state = ShardedState.UNSHARDED
+
+    def _copy_out(self, pg: PendingGather, rows: torch.Tensor) -> None:
+        """The gathered (S, chunk) rows of one bucket into its unsharded parameters."""
+        hot = pg.bucket.hot()
+        _alloc_all(hot.allocs)
+        # One fused copy (FSDP2's split_with_sizes_copy). The destinations are `.data`
+        # views so the copy does not bump the autograd version counter that tensors
+        # saved in forward check in backward (they alias this storage).
+        dsts = hot.rows_dsts
+        if dsts is not None:
+            torch.split_with_sizes_copy(rows, pg.bucket.sizes, dim=1, out=dsts)
+        else:
+            # A parameter on another dim is copied into its own layout
+            # ([Note: layout] in sharded_param.py), on this (compute) stream too.
+            for p, part in zip(pg.bucket.gathered, rows.split(pg.bucket.sizes, dim=1)):
+                p.copy_out(part)
+        self.copied["gather_out"] += rows.numel() * rows.element_size()
 
     def _finish_extensions(self, pg: ExtGather) -> None:
         self._ext_gather = None
@@ -1168,7 +1543,7 @@ class Unit:
         """
         if self.state is not ShardedState.UNSHARDED:
             return False
-        if [p.sharded._version for p in self.params] != self._gathered_versions:
+        if [t._version for t in self.hot().sharded] != self._gathered_versions:
             self.reshard()
             return False
         return not (self.unsynced or self.partial_reduce)
@@ -1207,10 +1582,14 @@ class Unit:
         if (self.hpz is not None and self.training_state is TrainingState.FORWARD
                 and torch.is_grad_enabled() and not self.ext_params):
             self.post_forward = keep(self, self.hpz)
-        for p in self.params:
-            for ref in p.refs:
-                ref.module._parameters[ref.name] = p.sharded
-            p.free_unsharded()
+        uh = self.hot()
+        for params, name, t in uh.to_sharded:
+            params[name] = t
+        for ext in uh.exts:
+            ext.free()
+        for storage in uh.frees:  # ShardedParam.free_unsharded, per unit
+            if storage.nbytes() != 0:
+                storage.resize_(0)
         self.state = ShardedState.SHARDED
         self.emit("reshard", "", 0, start)
 
@@ -1227,7 +1606,7 @@ class Unit:
         return self.unsynced or any(p.has_local_grad() for g in self.buckets
                                     for p in g.grad_params)
 
-    def reduce_grads(self) -> Sequence[PendingReduce]:
+    def reduce_grads(self, batch: GroupReduce | None = None) -> Sequence[PendingReduce]:
         """The unit's backward is over: reduce its gradients (async); the schedule reshards.
 
         May run more than once per backward (a unit used by several forwards): each call
@@ -1240,6 +1619,11 @@ class Unit:
         # (has_unreduced_grads: what a later backward must reduce, alike on every rank.)
         self.unsynced = not self.requires_grad_sync
         if self.requires_grad_sync:
+            if batch is not None and batch.accepts(self):
+                # [Note: coalesced units]: packed now, reduced with the group's batch.
+                with torch.no_grad():
+                    batch.pack(self)
+                return ()
             return self._reduce_grads()
         self._accumulate_unsynced()
         return ()
@@ -1259,7 +1643,7 @@ class Unit:
                 p.unsharded.grad = None
 
     def _reduce_grads(self) -> list[PendingReduce]:
-        with torch.no_grad():
+        with _NoGrad():
             pending = [reduce_bucket(self, g) for g in self.buckets if g.grad_params]
         return [pr for pr in pending if pr is not None]
 
