@@ -11,6 +11,7 @@ on FSDP2 in the same ranks, against an unsharded model trained on the whole batc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,9 @@ class Net(nn.Module):
 
 def _fully_shard(engine: str) -> Callable[..., Any]:
     if engine == "shardwise":
-        return sw.fully_shard
+        # Each unit alone: the collectives are counted against FSDP2's ([Note: coalesced
+        # units] in engine/core/schedule.py).
+        return functools.partial(sw.fully_shard, coalesce_bytes=0)
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard
