@@ -63,8 +63,10 @@ def _context() -> Any:
         # process_group.py says why) and the public API behind the lazy package ([Note: lazy
         # package]: `sw.fully_shard` imports the engine and torch._dynamo). Left to the ranks,
         # they cost each rank 3 to 10 s of CPU on a loaded 2-core machine, every run.
+        # SHARDWISE_TEST_PRELOAD names more, comma-separated (a test suite's own helpers).
+        extra = [m for m in os.environ.get("SHARDWISE_TEST_PRELOAD", "").split(",") if m]
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                    "shardwise", "shardwise._api"])
+                                    "shardwise", "shardwise._api", *extra])
     return ctx
 
 
