@@ -48,7 +48,7 @@ class DistributedError(RuntimeError):
 
 
 def _context() -> Any:
-    """Where ranks come from: a fork server that imported torch and shardwise once.
+    """Where ranks come from: a fork server that imported torch and shardwise's API once.
 
     Importing torch costs each fresh process seconds of CPU; forked from a server that did it
     already, a rank starts in milliseconds. The server itself is a clean process (no threads,
@@ -59,7 +59,14 @@ def _context() -> Any:
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardwise"])
+        # The modules every rank imports: torch.distributed.fsdp (init_process_group's,
+        # process_group.py says why) and the public API behind the lazy package ([Note: lazy
+        # package]: `sw.fully_shard` imports the engine and torch._dynamo). Left to the ranks,
+        # they cost each rank 3 to 10 s of CPU on a loaded 2-core machine, every run.
+        # SHARDWISE_TEST_PRELOAD names more, comma-separated (a test suite's own helpers).
+        extra = [m for m in os.environ.get("SHARDWISE_TEST_PRELOAD", "").split(",") if m]
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
+                                    "shardwise", "shardwise._api", *extra])
     return ctx
 
 

@@ -1,10 +1,10 @@
 """A user script with no teardown exits 0 ([Note: gloo teardown]); a failing one, promptly.
 
 The full measurement (200 launches at 2 ranks, 100 at 3, 100 of each script whose last
-collectives are the user's own) is benchmarks/exit_stress.py; this runs the same scripts a
-handful of times and checks every exit code. A handful of
-launches against an abort rate of about 1 in 9 without the fix would catch a regression only
-about half the time, so it is a smoke test: the deterministic check is
+collectives are the user's own) is benchmarks/exit_stress.py; this runs each of the same
+scripts once or twice and checks every exit code. A few launches against an abort rate of
+about 1 in 9 without the fix would catch a regression only now and then, so it is a smoke
+test (repeating launches here bought probability, not coverage): the deterministic check is
 tests/dist/test_handoff.py, which fails on every run where a collective bypasses the exit
 drain's handoff or finish() returns while gloo still holds a tensor; for collectives that
 bypass the handoff (DTensor's, the user's), tests/e2e/exit_slow_release.py aborts on every
@@ -50,7 +50,7 @@ def _launch(nproc: int, *args: str | Path, env: dict[str, str] | None = None,
     return p.returncode, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("nproc,runs", [(2, 4), (3, 2)])
+@pytest.mark.parametrize("nproc,runs", [(2, 2), (3, 1)])
 def test_script_without_teardown_exits_zero(tmp_path: Path, nproc: int, runs: int) -> None:
     for i in range(runs):
         rc, out = _launch(nproc, tmp_path / f"ckpt-{i}")
@@ -60,7 +60,7 @@ def test_script_without_teardown_exits_zero(tmp_path: Path, nproc: int, runs: in
 
 
 @pytest.mark.parametrize("scenario,nproc,tp,runs",
-                         [("meta", 2, 1, 2), ("allreduce", 2, 1, 1), ("meta", 4, 2, 1)])
+                         [("meta", 2, 1, 1), ("allreduce", 2, 1, 1), ("meta", 4, 2, 1)])
 def test_script_ending_on_its_own_collectives_exits_zero(scenario: str, nproc: int, tp: int,
                                                           runs: int) -> None:
     # Meta init, materialize, every parameter's full_tensor() (DTensor's collective), then
