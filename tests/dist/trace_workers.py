@@ -25,9 +25,9 @@ def traced(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """Trace STEPS steps after one warm-up step; return what the parent checks the files by."""
     torch.manual_seed(0)
     model = make_model("lm", 0)
-    # Each unit alone, so each has its own all-gather events to check (coalesced, a group's
-    # one all-gather is one event, under the name of the member that issued it).
-    sw.shard_model(model, auto_wrap_policy="transformer", coalesce_bytes=0)
+    # The tiny LM's units are coalesced into one group ([Note: coalesced units]): a group's
+    # collective is one event per member, each with its own bytes.
+    sw.shard_model(model, auto_wrap_policy="transformer")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_step(model, opt, seed=100 + rank)  # lazy init + the prefetch order
     with sw.trace(out_dir, model) as t:

@@ -352,6 +352,7 @@ class SharedGather:
     out: torch.Tensor
     numel: int  # one rank's chunk: the members' chunks side by side
     left: int  # members that have not copied their columns out yet
+    members: list[Unit] = field(default_factory=list)
     waited: float | None = None  # the exposed seconds of the one wait, once waited
 
     def rows(self, S: int, col: int, numel: int) -> torch.Tensor:
@@ -364,8 +365,15 @@ class SharedGather:
         lead = self.lead
         lead.pool.release(self.send)
         lead.pool.release(self.out)
-        nbytes = self.out.numel() * self.out.element_size()
-        lead.emit("all_gather", "all_gather", nbytes, start, (self.waited or 0.0) + blocked)
+        # One event per member, each with its own columns' bytes and the interval of the
+        # one collective; the wait on the first only. So traces and the explorer see every
+        # unit's gather, and the sums (bytes, exposed seconds; comm time is a union of
+        # intervals) are the collective's (observe/overlap.py).
+        S, size = lead.mesh.shard_size, self.out.element_size()
+        end = now()
+        for i, u in enumerate(self.members):
+            u.emit("all_gather", "all_gather", u.buckets[0].numel * S * size, start,
+                   (self.waited or 0.0) + blocked if i == 0 else 0.0, end)
 
 
 def gather_together(units: Sequence[Unit], async_op: bool) -> None:
@@ -405,7 +413,7 @@ def gather_together(units: Sequence[Unit], async_op: bool) -> None:
         with Span() as call:
             work = transport.all_gather(out, send, total, async_op, label=lead.label)
         blocked = 0.0 if async_op else call.seconds
-    shared = SharedGather(lead, send, out, total, len(units))
+    shared = SharedGather(lead, send, out, total, len(units), list(units))
     for u, col in zip(units, cols):
         u._gathers.append(PendingGather(u.buckets[0], None, out, work, start, blocked, done,
                                         shared, col))
@@ -902,8 +910,12 @@ class GroupPending:
         nbytes = out.numel() * out.element_size()
         if lead.mesh.transport.name != "native":
             lead.copied["reduce_sum"] += nbytes
-        lead.emit("reduce_scatter", "reduce_scatter", nbytes * lead.mesh.shard_size,
-                  self.start, waited)
+        # One event per member whose gradients it carries, the wait on the first (as the
+        # group's all-gather, SharedGather.release).
+        end, S, size = now(), lead.mesh.shard_size, out.element_size()
+        for i, (u, _, w, _, _) in enumerate(self.packed):
+            u.emit("reduce_scatter", "reduce_scatter", w * S * size, self.start,
+                   waited if i == 0 else 0.0, end)
         lead.pool.release(self.send)
         for u, off, w, missing, post in self.packed:
             part = out[off : off + w]
