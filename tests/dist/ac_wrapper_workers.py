@@ -11,7 +11,6 @@ on FSDP2 in the same ranks, against an unsharded model trained on the whole batc
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +50,11 @@ def _fully_shard(engine: str) -> Callable[..., Any]:
     if engine == "shardwise":
         # Each unit alone: the collectives are counted against FSDP2's ([Note: coalesced
         # units] in engine/core/schedule.py).
-        return functools.partial(sw.fully_shard, coalesce_bytes=0)
+        def shard(*args: Any, **kwargs: Any) -> Any:
+            return sw.fully_shard(*args, coalesce_bytes=0, **kwargs)
+
+        shard.state = sw.fully_shard.state  # type: ignore[attr-defined]
+        return shard
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard

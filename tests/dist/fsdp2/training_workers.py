@@ -261,7 +261,10 @@ def gradient_accumulation(rank: int, world: int, ex: Expect, reshard_after_forwa
     ref = copy.deepcopy(model)
     policy = sw.CPUOffloadPolicy(pin_memory=False) if offload else None
     for m in [*model[1:], model]:
-        sw.fully_shard(m, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+        # Each unit alone: the collectives per iteration are FSDP2's, counted below ([Note:
+        # coalesced units] in engine/core/schedule.py; coalesced, the numbers are the same).
+        sw.fully_shard(m, reshard_after_forward=reshard_after_forward, offload_policy=policy,
+                       coalesce_bytes=0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     dp = DataParallelRef(ref, world)
