@@ -116,16 +116,9 @@ class _SimUnit(ReplayUnit):
         self.shared: _Shared | None = None
 
     def _issue_group_gather(self, members: Sequence[ReplayUnit]) -> None:
-        sim = self.sim
         dtype = self.cost.gather[0][0]
         chunk = sum(m.cost.gather[0][1] for m in members)  # type: ignore[attr-defined]
-        out = sim.get(chunk * sim.S, dtype)
-        n = gather_send_numel(sim.transport, chunk, sim.S)
-        send = sim.get(n, dtype) if n else None
-        if sim.scratch:
-            extra = chunk * sim.S * _size(dtype)
-            sim.t.add(extra, "comm")
-            sim.t.add(-extra, "comm")
+        send, out = self.sim.gather_buffers(dtype, chunk)
         shared = _Shared(send, out, len(members))
         for m in members:
             m.shared = shared  # type: ignore[attr-defined]
@@ -137,18 +130,7 @@ class _SimUnit(ReplayUnit):
         sim = self.sim
         if sim.S > 1:
             for dtype, chunk in self.cost.gather:
-                # As the engine: the output first, then the send buffer its transport sizes
-                # (engine/comm/transport.py).
-                out = sim.get(chunk * sim.S, dtype)
-                n = gather_send_numel(sim.transport, chunk, sim.S)
-                send = sim.get(n, dtype) if n else None
-                if sim.scratch:
-                    # gloo gathers into a flat output of its own and copies it out: a copy
-                    # that lives while the all-gather runs, which is right after issue.
-                    extra = chunk * sim.S * _size(dtype)
-                    sim.t.add(extra, "comm")
-                    sim.t.add(-extra, "comm")
-                self.gathers.append((send, out))
+                self.gathers.append(sim.gather_buffers(dtype, chunk))
 
     def _gathered(self) -> None:
         self.sim.t.add(self.cost.unsharded_bytes, "unsharded")
@@ -273,6 +255,22 @@ class _Sim:
         buf = self.pool.get(numel, dtype, META)
         self.t.add(self.pool.allocated_bytes - before, "comm")
         return buf
+
+    def gather_buffers(self, dtype: torch.dtype, chunk: int
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(send, out) of one all-gather of `chunk` elements per rank, as the engine takes
+        them: the output first, then the send buffer its transport sizes
+        (engine/comm/transport.py)."""
+        out = self.get(chunk * self.S, dtype)
+        n = gather_send_numel(self.transport, chunk, self.S)
+        send = self.get(n, dtype) if n else None
+        if self.scratch:
+            # gloo gathers into a flat output of its own and copies it out: a copy that
+            # lives while the all-gather runs, which is right after issue.
+            extra = chunk * self.S * _size(dtype)
+            self.t.add(extra, "comm")
+            self.t.add(-extra, "comm")
+        return send, out
 
     def release(self, buf: torch.Tensor) -> None:
         before = self.pool.allocated_bytes

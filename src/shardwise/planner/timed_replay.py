@@ -150,18 +150,7 @@ class Replay:
         return [(what, u.i) for what, u in self.schedule.log or ()]
 
     def issue(self, kind: str, unit: int, at: float) -> float:
-        d = self.seconds(kind, unit, self.phase)
-        if d <= 0:
-            return at
-        start = max(self.comm, at)
-        if self.overlap:
-            self.comm = start + d
-        else:
-            self.comp = max(self.comp, at) + d  # the cores do its work now
-            w = self.wire(kind, unit, self.phase) if self.wire is not None else d
-            self.comm = max(start + w, self.comp)
-        self.timeline.append((kind, unit, start, self.comm))
-        return self.comm
+        return self.issue_group(kind, [unit], at)
 
     def issue_group(self, kind: str, units: list[int], at: float) -> float:
         """One collective for several units' buffers: their times less all but one fixed
@@ -180,7 +169,7 @@ class Replay:
         if self.overlap:
             self.comm = start + d
         else:
-            self.comp = max(self.comp, at) + d
+            self.comp = max(self.comp, at) + d  # the cores do its work now
             w = total(self.wire)
             self.comm = max(start + (d if w is None else w - saved), self.comp)
         for u in units:
