@@ -86,12 +86,23 @@ def test_library_script_stops_every_rank(launcher: str, cause: str, world: int,
     first = 0 if cause == "timeout" else world - 1  # the stalled rank's peers time out
     env = clean_env(SW_STOP_CAUSE=cause, SW_STOP_RANK=str(first), SW_STOP_STALL_S=str(STALL_S),
                     **({"SHARDWISE_TIMEOUT": str(TIMEOUT_S)} if cause == "timeout" else {}))
-    procs = start(launcher, world, tmp_path, env)
-    end, outs = wait_all(procs)
-    fired = float((tmp_path / "fired").read_text()) + (TIMEOUT_S if cause == "timeout" else 0)
-    took = end - fired
-    print(f"library {launcher} {cause} x{world}: every rank stopped {took:.1f} s after the cause")
-    assert took < LIMIT_S, (took, outs)
+    # Most of a library rank's end is CPython finalizing a torch process (2-3 s of an idle
+    # machine's 2.5-3.6 s for torchrun x3 with a timeout); a loaded CI machine stretched it
+    # past the bound once (10.8 s). So a launch over the bound is run once more: a slow path
+    # or a hang is over it both times.
+    tooks = []
+    for attempt in range(2):
+        out = tmp_path / f"launch{attempt}"
+        out.mkdir()
+        procs = start(launcher, world, out, env)
+        end, outs = wait_all(procs)
+        fired = float((out / "fired").read_text()) + (TIMEOUT_S if cause == "timeout" else 0)
+        tooks.append(end - fired)
+        print(f"library {launcher} {cause} x{world}: every rank stopped {tooks[-1]:.1f} s "
+              "after the cause")
+        if tooks[-1] < LIMIT_S:
+            break
+    assert tooks[-1] < LIMIT_S, (tooks, outs)
     log = "\n".join(outs)
     assert all(p.returncode != 0 for p in procs), log
     assert "terminate called" not in log, log
@@ -105,7 +116,7 @@ def test_library_script_stops_every_rank(launcher: str, cause: str, world: int,
             assert f"rank {first} stopped first ({said}" in log, log
     if launcher == "slurm":  # one group of all the tasks, RANK never written
         for r in range(world):
-            seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+            seen = json.loads((out / f"rank{r}.json").read_text())
             assert seen == {"rank": r, "world": world, "rank_in_env": False}, seen
 
 

@@ -72,6 +72,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -366,6 +367,27 @@ def _ending_with_error() -> bool:
         or getattr(sys, "last_exc", None) is not None or _exit_status not in (None, 0)
 
 
+def _release_failed_frames() -> None:
+    """Drop the locals of the frames the uncaught exception's traceback keeps.
+
+    The failed collective's frames (the exception's cause: torch's collective call, then
+    shardwise's issue) hold the aliases it was handed as locals, and CPython keeps the last
+    uncaught exception (sys.last_value) with its traceback to the end: the drain would then
+    wait its whole bound for aliases that no gloo thread holds. Those frames have returned;
+    their locals would only be freed at finalization.
+    """
+    seen: set[int] = set()
+    pending = [getattr(sys, "last_exc", None), getattr(sys, "last_value", None)]
+    while pending:
+        exc = pending.pop()
+        if not isinstance(exc, BaseException) or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        pending += [exc.__cause__, exc.__context__]
+
+
 def _at_exit() -> None:
     """The exit drain for scripts that end without finish() ([Note: gloo teardown])."""
     try:
@@ -378,6 +400,7 @@ def _at_exit() -> None:
             status, cause = _exit_cause()
             announce_stop(cause, status)
             leave(status)
+            _release_failed_frames()
             wait_for_gloo_drops(_FAILED_DRAIN_S)
             wait_for_gloo_workers(_FAILED_DRAIN_S)
         else:
