@@ -20,9 +20,19 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from typing import Any
 
 import pytest
+
+# A suite started in the background of a non-interactive shell (`make test &`, a CI script's
+# `&`) has SIGINT ignored, and every process the tests start would inherit that: the tests
+# of Ctrl-C (tests/e2e/test_stop_*.py, test_interrupt.py) would then send a signal no rank
+# receives, and wait out their bounds (seen: 5 such failures in one background run). The
+# tests and their processes take SIGINT as a terminal's foreground job does; a handler set
+# in Python becomes the default disposition across exec, where SIG_IGN would be kept.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # run_distributed's ranks fork from a server that imported torch and shardwise's API once
 # (shardwise/testing.py); the worker modules of the multi-process tests import pytest too

@@ -8,11 +8,15 @@ A terminal's Ctrl-C reaches the whole process group, so SIGINT goes to the group
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -112,17 +116,36 @@ def test_ctrl_c_while_workers_start_leaves_nothing(
     assert alive_in_group(proc.pid) == []
 
 
-@pytest.mark.parametrize("sig, group, code, delay", [
-    (signal.SIGINT, True, 130, 1.0),  # the ranks are still importing torch
-    (signal.SIGINT, True, 130, 20.0),  # the run is set up
-    (signal.SIGTERM, False, 143, 20.0),
+def wait_until_ready(url: str, timeout_s: float = 180) -> None:
+    """Poll the explorer's state until its sharded run is set up (the ranks answered)."""
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{url}/api/state", timeout=5) as r:
+                status = json.load(r)["status"]
+            if status == "ready":
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the explorer's run never became ready (last status {status!r})")
+
+
+@pytest.mark.parametrize("sig, group, code, ready", [
+    (signal.SIGINT, True, 130, False),  # the ranks are still importing torch
+    (signal.SIGINT, True, 130, True),  # the run is set up
+    (signal.SIGTERM, False, 143, True),
 ])
-def test_explore_stops_with_one_line(sig: int, group: bool, code: int, delay: float,
+def test_explore_stops_with_one_line(sig: int, group: bool, code: int, ready: bool,
                                      tmp_path: Path,
                                      start: Callable[..., subprocess.Popen[str]]) -> None:
     proc = start("explore", "--no-browser", "--world-size", "2", cwd=tmp_path)
-    wait_for(proc, "http://127.0.0.1:")
-    time.sleep(delay)
+    seen = wait_for(proc, "http://127.0.0.1:")
+    if ready:
+        url = re.search(r"http://127\.0\.0\.1:\d+", seen)
+        assert url is not None, seen
+        wait_until_ready(url.group(0))
+    else:
+        time.sleep(1.0)
     rc, err = stop(proc, sig, group)
     assert rc == code, err
     assert_clean(err)
