@@ -160,3 +160,65 @@ def debug_run(rank: int, world: int) -> list[Any]:
         return logs
     finally:
         sw.set_debug(False)
+
+
+class ChangingNet(nn.Module):
+    """Six equal blocks whose order changes on odd steps: one skipped ("skip"), all in reverse
+    ("reverse"), the last three not run ("tail"); even steps run the recorded order. A group
+    cut from one step's order must gather, free and reduce right in another's."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(7, 7) for _ in range(6))
+        self.head = nn.Linear(7, 2)
+        self.mode, self.step = mode, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = list(range(6))
+        if self.step % 2 == 1:
+            order = {"skip": [0, 1, 3, 4, 5], "reverse": order[::-1], "tail": order[:3]}[self.mode]
+        for i in order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+def changing_order(rank: int, world: int, modes: list[str]) -> dict[str, Any]:
+    """Per mode and budget: the largest difference from unsharded training after 5 steps,
+    and the units left unsharded after any step (none may be)."""
+    from shardwise.engine.core.unit import ShardedState
+
+    out: dict[str, Any] = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        ref = ChangingNet(mode)
+        for budget in (0, None):
+            torch.manual_seed(0)
+            m = ChangingNet(mode)
+            for b in m.blocks:
+                sw.fully_shard(b, coalesce_bytes=budget)
+            sw.fully_shard(m, coalesce_bytes=budget)
+            ctx = context_of(m)
+            assert ctx is not None
+            left: list[str] = []
+            for model, sharded in ((ref, False), (m, True)):
+                if model is ref and budget is None:
+                    continue  # trained once, with the first budget
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                for step in range(5):
+                    model.step = step
+                    x, y = _batch(step, world)
+                    x = x[:, :7]
+                    if sharded:
+                        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                        x, y = x[mine], y[mine]
+                    loss = (model(x) - y).square().sum() / (len(x) * y.shape[1])
+                    loss.backward()
+                    opt.step()
+                    if step < 4:
+                        opt.zero_grad()
+                    if sharded:
+                        left += [f"step {step}: {u.label}" for u in ctx.units
+                                 if u.state is not ShardedState.SHARDED and not u.is_root]
+            diffs = {**param_diffs(m, ref, mode), **grad_diffs(m, ref, mode)}
+            out[f"{mode}/{budget}"] = {"worst": max(diffs.values()), "left unsharded": left}
+    return out

@@ -85,3 +85,16 @@ def test_every_rank_issues_the_same_collectives_under_debug() -> None:
     # a group cut or issued differently on one rank would raise here.
     logs = run_distributed(W.debug_run, 3, timeout_s=300)
     assert logs[0] == logs[1] == logs[2]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_that_runs_the_units_in_another_order(world: int) -> None:
+    """Groups are cut from the first step's order; a later step that skips a member, runs
+    them in reverse or stops halfway still trains as unsharded does, and leaves no member
+    gathered."""
+    res = run_distributed(W.changing_order, world, ["skip", "reverse", "tail"],
+                          timeout_s=600)
+    for rank_res in res:
+        for key, r in rank_res.items():
+            assert r["worst"] < TOL, (key, r)
+            assert r["left unsharded"] == [], (key, r)
