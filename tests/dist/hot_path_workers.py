@@ -9,6 +9,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 from shardwise.engine.core.context import unit_of
@@ -119,3 +120,57 @@ def rebuilt_shard_is_gathered(rank: int, world: int) -> dict[str, float]:
     after = (unit.hot(), unit.buckets[0].hot())
     return {"output": float((got - want).abs().max()),
             "remade": float(sum(a is not b for a, b in zip(before, after)))}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops a step dispatches, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.seen[name] = self.seen.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def one_rank_moves_nothing(rank: int, world: int) -> dict[str, object]:
+    """[Note: one rank's parameters] and [Note: one rank's gradients]: on a one-rank mesh a
+    step gathers, reduces and frees nothing (the unsharded parameter is the shard's storage,
+    autograd's gradient becomes the sharded one), and stays equal to the unsharded model."""
+    ref = _model()
+    model = copy.deepcopy(ref)
+    for block in model[:2]:
+        sw.fully_shard(block)
+    sw.fully_shard(model)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _backward(ref, _batch(0, world), None)
+    _backward(model, _batch(0, world), rank)  # the first step records the order
+    ropt.step()
+    opt.step()
+    ropt.zero_grad()
+    opt.zero_grad()
+    unit = unit_of(model[0])
+    assert unit is not None
+    sp = unit.params[0]
+    held = sp.padded_shard.untyped_storage().data_ptr()
+    shared = []
+    # (On the Linear: it runs while its unit is unsharded, before the unit's own hook.)
+    model[0][0].register_forward_hook(lambda m, a, o: shared.append(
+        m.weight.untyped_storage().data_ptr() == held))
+    with _Ops() as ops:
+        _backward(model, _batch(1, world), rank)
+    _backward(ref, _batch(1, world), None)
+    grads = _grad_diffs(ref, model, "handed")
+    ropt.step()
+    opt.step()
+    with torch.no_grad():
+        x = _batch(2, world)
+        out = float((model(x) - ref(x)).abs().max())
+    moved = {k: v for k, v in ops.seen.items()
+             if k in ("copy_", "_foreach_copy_", "cat", "split_with_sizes_copy", "empty",
+                      "new_empty", "clone", "_to_copy")}
+    return {"moved": moved, "shared": shared, "grads": grads, "out": out,
+            "storage_kept": sp.padded_shard.untyped_storage().data_ptr() == held}

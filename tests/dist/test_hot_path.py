@@ -25,3 +25,14 @@ def test_a_rebuilt_shard_remakes_the_lists_and_is_gathered(world: int) -> None:
     for r in run_distributed(W.rebuilt_shard_is_gathered, world, timeout_s=180.0):
         assert r["output"] <= 1e-6, r
         assert r["remade"] == 2, r
+
+
+def test_one_rank_gathers_reduces_and_frees_nothing() -> None:
+    """A one-rank mesh: no copy, concatenation or allocation of parameters or gradients in a
+    step (FSDP2 copies each shard in and each gradient out), the same numbers as unsharded."""
+    (r,) = run_distributed(W.one_rank_moves_nothing, 1, timeout_s=180.0)
+    assert r["moved"] == {}, r["moved"]
+    assert r["shared"] and all(r["shared"]), r
+    assert r["storage_kept"], r
+    assert all(v <= 1e-6 for v in r["grads"].values()), r["grads"]
+    assert r["out"] <= 1e-6, r

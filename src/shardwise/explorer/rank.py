@@ -39,8 +39,9 @@ class MemoryProbe:
     """
 
     def __init__(self, params: list[Any]) -> None:
-        # Only params that are not "direct" have separate unsharded storage.
-        self.params = [p for p in params if not getattr(p, "direct", False)]
+        # Only params that are neither direct nor whole have separate unsharded storage.
+        self.params = [p for p in params if not (getattr(p, "direct", False)
+                                                 or getattr(p, "whole", False))]
         self.rows: list[tuple[Event, int]] = []
 
     def live_bytes(self) -> int:

@@ -86,7 +86,8 @@ class UnitCost:
       per group (0 under CPU offload: the gradients move to the host).
     unsharded_bytes: full padded parameters in the compute dtype while unsharded (0: direct).
     full_grad_bytes: unsharded gradients autograd produces, compute dtype, exact shapes.
-    direct: NO_SHARD without casts: the shard is the parameter, no copy is ever made.
+    direct: one shard rank without casts (NO_SHARD's plain parameters, or whole DTensor
+      ones): the shard is the parameter's storage, no copy is ever made.
     cast_grad_bytes: reduced gradients copied into the master dtype or to the host (the rest
       are views of the reduction's output).
     frozen_bytes: the part of shard_bytes that trains nothing (a fine-tune's frozen base).
@@ -120,7 +121,8 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
     """Byte counts of `unit` on shard-group rank `shard_rank` of `shard_size`.
 
     plain: the sharded parameters are plain tensors (NO_SHARD without TP); False where they
-    are DTensors (every other strategy, on a one-rank mesh too), which are never direct.
+    are DTensors (every other strategy, on a one-rank mesh too), which on one shard rank
+    without TP are whole and cost as direct ones do.
     replicate_size: replicas of the shard group (NO_SHARD: the world); with more than one,
     even direct gradients go through the packed all-reduce, flags included.
     balance: each parameter sharded on the engine's default dim ([Note: balanced shards] in
@@ -164,10 +166,12 @@ def unit_cost(unit: PlanUnit, shard_size: int, shard_rank: int,
         cdtype = mp.param_dtype if (mp and mp.param_dtype and p.dtype.is_floating_point) \
             else p.dtype
         csize = _size(cdtype)
-        # As ShardedParam: a 0-d parameter is never direct (forward must see shape ()), nor
-        # a DTensor one (forward computes with a plain tensor).
+        # As ShardedParam: a 0-d parameter is never direct (forward must see shape ()); a
+        # DTensor one on a one-rank shard group is whole, which costs the same (its unsharded
+        # parameter is the shard's storage, [Note: one rank's parameters]); a TP one is
+        # neither (forward computes with the TP DTensor).
         direct = (S == 1 and cdtype == p.dtype and not host_offload and len(p.shape) > 0
-                  and plain)
+                  and (plain or balance))
         direct_all &= direct
         shard += C * row * orig  # the padded (C, ...) buffer exists on every rank
         if not p.requires_grad:

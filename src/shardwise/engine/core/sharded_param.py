@@ -351,6 +351,24 @@ class ShardedParam:
             # On another dim the face is a moved view; forward needs the original strides.
             and self.shard_dim == 0
         )
+        # [Note: one rank's parameters] Whole: one shard of everything in the compute dtype on
+        # the compute device, behind a DTensor face (the one-rank mesh of FULL_SHARD and the
+        # others). The unsharded parameter is then a plain Parameter over the shard's own
+        # storage: nothing to allocate, copy or free per gather, where FSDP2 copies the shard
+        # into a fresh buffer and frees it again at each one. A write to the shard (an
+        # optimizer step) is in the unsharded parameter at once, as a gather would bring it;
+        # the Parameter keeps its own version counter, as a gathered one does.
+        self.whole = (
+            not self.direct
+            and self.shard_size == 1
+            and self.compute_dtype == self.orig_dtype
+            and self.host_device == self.device
+            and len(self.orig_shape) > 0
+            and self.tp is None
+            and not self.subclass
+            and self.shard_dim == 0
+            and not meta
+        )
         self._build_unsharded(padded, meta)
         self.ext = None
         self.refresh_extension()
@@ -421,6 +439,11 @@ class ShardedParam:
         elif self.direct:
             self._full_padded = padded
             self.unsharded = self.sharded
+        elif self.whole:
+            self._full_padded = padded  # (dim0, *rest): with one shard nothing pads it
+            self.unsharded = nn.Parameter(padded.view(self.orig_shape),
+                                          requires_grad=self.requires_grad)
+            self.unsharded._sw_param = self  # type: ignore[attr-defined]
         else:
             # Dim 0: the padded rows the gather writes into; another dim: the parameter's
             # own contiguous shape, copied into from the gather output ([Note: layout]).
@@ -453,7 +476,7 @@ class ShardedParam:
     def alloc_unsharded(self) -> None:
         """Plain parameters' unsharded storage back (extensions: sharded_param.py does it)."""
         storage = self._storage
-        if self.direct or storage is None:
+        if self.direct or self.whole or storage is None:
             return
         if storage.size() != self._nbytes:
             storage.resize_(self._nbytes)
@@ -462,8 +485,8 @@ class ShardedParam:
         if self.ext is not None:
             self.ext.free()
         storage = self._storage
-        if self.direct or storage is None:
-            return
+        if self.direct or self.whole or storage is None:
+            return  # (whole: the shard's own storage)
         if storage.size() != 0:
             storage.resize_(0)
 

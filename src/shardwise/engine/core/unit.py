@@ -271,14 +271,15 @@ class BucketHot:
         # The gathered parameters' unsharded storages and their sizes (direct ones have
         # none: the sharded parameter is the unsharded one).
         self.allocs = [(p._storage, p._nbytes) for p in g.gathered
-                       if not p.direct and p._storage is not None]
+                       if not (p.direct or p.whole) and p._storage is not None]
         # Where the gathered rows go, (S, chunk) each: None when a parameter on another dim
         # is copied into its own layout instead (`ShardedParam.copy_out`).
         dsts = [p.unsharded_rows_view() for p in g.gathered]
         self.rows_dsts = dsts if all(d is not None for d in dsts) else None
         # One rank (nothing gathered): the shards straight into the unsharded parameters,
         # one fused copy for the dim-0 ones, `copy_out` for the others.
-        local = [p for p in g.gathered if not p.direct]
+        # ([Note: one rank's parameters]: a whole one's unsharded parameter is its shard.)
+        local = [p for p in g.gathered if not (p.direct or p.whole)]
         self.local_dsts = [p._rows for p in local if p._rows is not None]
         self.local_srcs = [p.padded_shard.view(1, -1) for p in local if p._rows is not None]
         self.local_other = [p for p in local if p._rows is None]
@@ -291,6 +292,14 @@ class BucketHot:
         self.pack_fused = all(p.shard_dim == 0 and not p.scalar and p.chunk_rows > 0
                               and p.dim0 == p.shard_size * p.chunk_rows
                               for p in g.grad_params)
+        # [Note: one rank's gradients] Whether every gradient, as autograd leaves it, already
+        # is its sharded gradient: one shard of everything, in the parameter's dtype, layout
+        # and device (a DTensor face on a one-rank mesh; a direct parameter is autograd's own).
+        self.whole = bool(g.grad_params) and all(
+            p.shard_size == 1 and not p.direct and p.compute_dtype == p.orig_dtype == g.dtype
+            and p.host_device == p.device and p.shard_dim == 0 and not p.scalar
+            and p.tp is None and not p.subclass and p.ext is None
+            and tuple(p.local.shape) == tuple(p.orig_shape) for p in g.grad_params)
 
 
 class UnitHot:
@@ -304,7 +313,7 @@ class UnitHot:
         self.to_sharded = [(d, n, p.sharded) for d, n, p in places]
         self.sharded = [p.sharded for p in unit.params]
         self.frees = [p._storage for p in unit.params
-                      if not p.direct and p._storage is not None]
+                      if not (p.direct or p.whole) and p._storage is not None]
         self.exts = [p.ext for p in unit.params if p.ext is not None]
         # The tensor each parameter's all-gather hooks would be found on, and whether it had
         # them: `extensions_changed` asks both names of each, as refresh_extension does.
@@ -729,8 +738,13 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     # Reduced even when this rank has no gradient at all: another rank may have one, and
     # the schedule calls this at the same point on every rank ([Note: structure decides]).
     grads = [p.local_grad() for p in g.grad_params]
-    if mesh.dp_size == 1 and all(p.direct for p in g.grad_params):
-        return None  # one rank, no casts: the gradients already are the result
+    if mesh.dp_size == 1:
+        if all(p.direct for p in g.grad_params):
+            return None  # one rank, no casts: the gradients already are the result
+        if (g.hot().whole and unit.reduce_dtype_for[g.dtype] == g.dtype
+                and unit.all_reduce_hook is None and not unit.force_sum_reduction
+                and unit.grad_divide_factor in (None, 1) and _hand_over(unit, g, grads)):
+            return None
     start = now()
     dtype = unit.reduce_dtype_for[g.dtype]
     width = g.grad_numel + len(g.grad_params)
@@ -769,6 +783,38 @@ def reduce_bucket(unit: Unit, g: FlatBucket) -> PendingReduce | None:
     work = (C.all_reduce(send, mesh.replicate_group, async_op=True, label=unit.label)
             if mesh.replicate_size > 1 else Work(None, send))
     return PendingReduce(unit, g, None, send, work, start, missing, post)
+
+
+# [Note: one rank's gradients] With one rank and no replicas the reduction is the identity
+# (a sum over one rank, divided by one), and FSDP2 still packs each gradient into a buffer,
+# "reduces" it and copies it out again: two copies and a dozen host ops per unit. Where
+# autograd's gradient already has the sharded gradient's dtype, shape and device, it becomes
+# the sharded gradient itself (or is added to it). Only a tensor that owns its whole storage
+# is handed over: the optimizer and `clip_grad_norm_` write gradients in place, which must
+# never reach a tensor something else still reads.
+
+
+def _hand_over(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None]) -> bool:
+    """One rank: make each local gradient the sharded one, no pack and no copy; False (and
+    nothing changed) where some gradient is not a whole contiguous tensor of its own."""
+    for x in grads:
+        if x is not None and (x._base is not None or not x.is_contiguous()
+                              or x.storage_offset() != 0
+                              or x.untyped_storage().nbytes() != x.nbytes):
+            return False
+    unsure = unit.unsure
+    with _NoGrad():
+        for p, x in zip(g.grad_params, grads):
+            if x is None:
+                continue  # no gradient on the only rank: it stays as it was
+            p.drop_local_grad()
+            unsure.used(p)
+            if p.sharded.grad is None:
+                p.set_shard_grad(x)
+            else:
+                p.shard_grad.add_(x)  # type: ignore[union-attr]
+            p.run_post_accumulate_hooks()
+    return True
 
 
 def _pack(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None],
