@@ -36,6 +36,7 @@ class ReplayUnit:
         # shard_model's rule (FSDP2's reshard_after_forward=None): the root keeps its own.
         self.reshards_after_forward = reshard_after_forward and not self.is_root
         self.reshard_after_backward = True
+        self.prefetchable = True  # (a one-rank gather costs the replay nothing either way)
         self.unreduced = False  # full gradients exist that were not reduced yet
         # [Note: coalesced units] in engine/core/schedule.py: this unit's terms (None: alone).
         self.terms: Coalesce | None = None

@@ -142,6 +142,9 @@ class ScheduledUnit(Protocol):
     reshards_after_forward: bool  # this step: reshard_after_forward, with the root's rule
     reshard_after_backward: bool
     is_root: bool
+    # Whether issuing its gather early gains anything: False where the gather is local work
+    # (a one-rank shard group: nothing to overlap), done when it is waited for.
+    prefetchable: bool
 
     def unshard(self, async_op: bool = True, together: Sequence[Any] = ()) -> None: ...
     def wait_unshard(self) -> None: ...
@@ -445,7 +448,7 @@ class Schedule(Generic[U]):
         self._gathering.append(unit)
 
     def _prefetch(self, unit: U) -> None:
-        if unit.state is not ShardedState.SHARDED:
+        if unit.state is not ShardedState.SHARDED or not unit.prefetchable:
             return
         self._gathering = [u for u in self._gathering if u.state is ShardedState.GATHERING]
         in_flight = len(self._gathering)

@@ -314,6 +314,9 @@ class UnitHot:
         self.sharded = [p.sharded for p in unit.params]
         self.frees = [p._storage for p in unit.params
                       if not (p.direct or p.whole) and p._storage is not None]
+        # Every unsharded parameter is its shard's storage ([Note: one rank's parameters]):
+        # a gather on one rank moves nothing, and what is gathered is never stale.
+        self.shares_all = all(p.direct or p.whole for p in unit.params)
         self.exts = [p.ext for p in unit.params if p.ext is not None]
         # The tensor each parameter's all-gather hooks would be found on, and whether it had
         # them: `extensions_changed` asks both names of each, as refresh_extension does.
@@ -809,8 +812,11 @@ def _hand_over(unit: Unit, g: FlatBucket, grads: list[torch.Tensor | None]) -> b
                 continue  # no gradient on the only rank: it stays as it was
             p.drop_local_grad()
             unsure.used(p)
-            if p.sharded.grad is None:
-                p.set_shard_grad(x)
+            sharded = p.sharded
+            if sharded.grad is None:
+                # set_shard_grad's work for a whole parameter: its face is the rows, its spec
+                # the parameter's own object.
+                sharded.grad = DT.wrap(x, sharded._spec)
             else:
                 p.shard_grad.add_(x)  # type: ignore[union-attr]
             p.run_post_accumulate_hooks()
@@ -1229,6 +1235,9 @@ class Unit:
         # FQN of the module within the root (filled in at lazy init; "" is the root).
         self.name = name
         self.mesh = mesh
+        # One shard rank: the gather is a local swap, nothing to overlap by issuing it early
+        # (ScheduledUnit.prefetchable).
+        self.prefetchable = mesh.shard_size > 1
         self.reshard_after_forward = reshard_after_forward
         # FSDP2's reshard_after_forward=None: the root keeps its parameters after forward
         # (backward starts there); an explicit value applies to the root too.
@@ -1519,6 +1528,20 @@ class Unit:
             return
         if self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
+        local = self.mesh.shard_size == 1 and self.hot().shares_all
+        if self._gathers or self._ext_gather is not None or not local:
+            self._fill()
+        self._gathers.clear()
+        uh = self.hot()  # after the extensions' post hooks, which may make new parameters
+        for params, name, t in uh.to_unsharded:
+            params[name] = t
+        if not uh.shares_all:
+            self._gathered_versions = [t._version for t in uh.sharded]
+        self.state = ShardedState.UNSHARDED
+
+    def _fill(self) -> None:
+        """Wait for the gathers in flight and copy them (one rank: the shards) into the
+        unsharded parameters."""
         S = self.mesh.shard_size
         with _NoGrad():
             for pg in self._gathers:
@@ -1550,12 +1573,6 @@ class Unit:
                                              non_blocking=True)
                     for p in hot.local_other:
                         p.copy_out(p.padded_shard.view(1, -1), non_blocking=True)
-        self._gathers.clear()
-        uh = self.hot()  # after the extensions' post hooks, which may make new parameters
-        for params, name, t in uh.to_unsharded:
-            params[name] = t
-        self._gathered_versions = [t._version for t in uh.sharded]
-        self.state = ShardedState.UNSHARDED
 
     def _copy_out(self, pg: PendingGather, rows: torch.Tensor) -> None:
         """The gathered (S, chunk) rows of one bucket into its unsharded parameters."""
@@ -1601,7 +1618,10 @@ class Unit:
         """
         if self.state is not ShardedState.UNSHARDED:
             return False
-        if [t._version for t in self.hot().sharded] != self._gathered_versions:
+        uh = self.hot()
+        if uh.shares_all:
+            return False  # the unsharded parameters are the shards themselves
+        if [t._version for t in uh.sharded] != self._gathered_versions:
             self.reshard()
             return False
         return not (self.unsynced or self.partial_reduce)
