@@ -47,16 +47,21 @@ def _grad_diffs(ref: nn.Module, model: nn.Module, tag: str) -> dict[str, float]:
     return out
 
 
-def semantics(rank: int, world: int) -> dict[str, float]:
-    """Gradients accumulated without zero_grad, zeroed in place, set to None; a parameter
-    frozen and unfrozen between steps; every value against the unsharded model's."""
+def _pair() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The unsharded model, its sharded copy (each block a unit, then the root), SGD each."""
     ref = _model()
     model = copy.deepcopy(ref)
     for block in model[:2]:
         sw.fully_shard(block)
     sw.fully_shard(model)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return (ref, model, torch.optim.SGD(ref.parameters(), lr=0.1),
+            torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def semantics(rank: int, world: int) -> dict[str, float]:
+    """Gradients accumulated without zero_grad, zeroed in place, set to None; a parameter
+    frozen and unfrozen between steps; every value against the unsharded model's."""
+    ref, model, ropt, opt = _pair()
     d: dict[str, float] = {}
     # Two backwards without zero_grad: the second adds to the first's gradient.
     for seed in (0, 1):
@@ -139,13 +144,7 @@ def one_rank_moves_nothing(rank: int, world: int) -> dict[str, object]:
     """[Note: one rank's parameters] and [Note: one rank's gradients]: on a one-rank mesh a
     step gathers, reduces and frees nothing (the unsharded parameter is the shard's storage,
     autograd's gradient becomes the sharded one), and stays equal to the unsharded model."""
-    ref = _model()
-    model = copy.deepcopy(ref)
-    for block in model[:2]:
-        sw.fully_shard(block)
-    sw.fully_shard(model)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref, model, ropt, opt = _pair()
     _backward(ref, _batch(0, world), None)
     _backward(model, _batch(0, world), rank)  # the first step records the order
     ropt.step()
