@@ -17,9 +17,19 @@ ignore SIGINT from their first line (`SHARDWISE_WORKER` makes `shardwise/__init_
 it before torch is imported) and the launcher alone decides: it turns SIGINT into a SIGKILL
 of the workers (stop now, as SIGTERM's default action did before `shardwise train` made
 SIGTERM a request to checkpoint and stop), then raises `Interrupted`. SIGTERM, SIGHUP,
-SIGQUIT and the caller's `stop_signals` are passed on to the workers as they came, and the
-workers get `grace_s` to act on them (train/preempt.py) before torchelastic kills them. A
-worker whose launcher dies outright gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
+SIGQUIT and the caller's `stop_signals` are passed on to the workers, and the workers get
+`grace_s` to act on them (train/preempt.py) before torchelastic kills them. A worker whose
+launcher dies outright gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
+
+[Note: relayed stops] The launcher passes a stop signal on as its relay, `SIGRTMIN + signum`
+(`relay_signal`), not as the signal itself. Slurm's scancel, a time limit or systemd signal
+every process of the job: each worker gets SIGTERM directly *and* from the launcher, and a
+second SIGTERM means "stop now" to a worker finishing its step (train/preempt.py), so the
+checkpoint of the stop was lost; a relay is the same request, never a second one. And once
+the launcher is shutting down it no longer reads the workers' results, while torchelastic's
+worker wrapper waits for that read after the function returns: a worker that got a relay
+ends its process as soon as its function returned (the checkpoint written) instead of
+waiting there until `grace_s` ran out and it was killed (25 s of a 30 s KillWait).
 """
 
 from __future__ import annotations
@@ -46,6 +56,39 @@ from .engine.comm.process_group import free_port
 log = logging.getLogger(__name__)
 
 WORKER_ENV = "SHARDWISE_WORKER"
+
+
+def relay_signal(signum: int) -> int:
+    """The signal a launcher passes `signum` on as ([Note: relayed stops])."""
+    return int(signal.SIGRTMIN) + int(signum)
+
+
+class _Relay(int):
+    """A relay as torchelastic's shutdown takes a signal: a number with a `name`."""
+
+    @property
+    def name(self) -> str:
+        return f"relay of {signal.Signals(self - int(signal.SIGRTMIN)).name}"
+
+
+# The stop signal this worker's launcher passed on (0: none): the launcher is shutting down.
+_relayed = 0
+
+
+def note_relayed(signum: int) -> None:
+    """A worker's handler of a relay ([Note: relayed stops]) says which signal it carried."""
+    global _relayed
+    _relayed = signum
+
+
+def _relay_default(relay: int, frame: Any) -> None:
+    """A relay no handler of the function takes: the stop signal's default action, an end."""
+    signum = relay - int(signal.SIGRTMIN)
+    note_relayed(signum)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)
 
 
 class Interrupted(Exception):
@@ -107,7 +150,10 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     tmp = tempfile.mkdtemp(prefix="shardwise-launch-")
     options: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(LaunchConfig)}
-    handled = ",".join(("SIGTERM", "SIGHUP", "SIGQUIT", *stop_signals))
+    stops = tuple(signal.Signals[n] for n in ("SIGTERM", "SIGHUP", "SIGQUIT", *stop_signals))
+    # Ours, not torchelastic's: it would pass each signal on as itself ([Note: relayed
+    # stops]). An empty list registers none of its handlers (it logs, and we swallow it).
+    handled = ""
     if "signals_to_handle" in names:  # torch >= 2.8; older versions read the variable below
         options["signals_to_handle"] = handled
     if "shutdown_timeout" in names:
@@ -118,12 +164,13 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), **options)
-    sigint = _Sigint()
+    sigint = _Sigint(stops)
     env_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled
     try:
         with _quiet_torchelastic(max_restarts), workers_ignore_sigint(), sigint:
-            results = elastic_launch(config, _run_then_finish)(tmp, expected or {}, fn, *args)
+            results = elastic_launch(config, _run_then_finish)(
+                tmp, expected or {}, tuple(int(s) for s in stops), fn, *args)
         return [results[r] for r in sorted(results)]
     except SignalException as e:
         raise Interrupted(sigint.received or int(e.sigval)) from None
@@ -141,29 +188,34 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
 
 class _Sigint:
     """While active (main thread only), SIGINT asks torchelastic to stop the workers at once
-    with SIGKILL (they ignore SIGINT, and take SIGTERM as a request to checkpoint first) and
-    is remembered, so the caller can report SIGINT."""
+    with SIGKILL (they ignore SIGINT, and take SIGTERM as a request to checkpoint first); a
+    stop signal (`stops`) asks it to pass the signal's relay on ([Note: relayed stops]). The
+    first is remembered, so the caller can report it; later ones change nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, stops: tuple[signal.Signals, ...] = ()) -> None:
         self.received = 0
-        self._before: Any = None
+        self.stops = stops
+        self._before: list[tuple[int, Any]] = []
 
     def _handler(self, signum: int, frame: Any) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if self.received:
-            return  # a second Ctrl-C while the workers are being stopped
+            return  # a second signal while the workers are being stopped
         self.received = signum
-        raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.SIGKILL)
+        sigval = signal.SIGKILL if signum == signal.SIGINT else _Relay(relay_signal(signum))
+        raise SignalException(f"got {signal.Signals(signum).name}", sigval=sigval)  # type: ignore[arg-type]
 
     def __enter__(self) -> _Sigint:
         if threading.current_thread() is threading.main_thread():
-            self._before = signal.signal(signal.SIGINT, self._handler)
+            for s in (signal.SIGINT, *self.stops):
+                self._before.append((s, signal.signal(s, self._handler)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._before is not None:
-            signal.signal(signal.SIGINT, self._before)
+        for s, before in reversed(self._before):
+            signal.signal(s, before)
+        self._before.clear()
 
 
 class _Restarts(logging.Handler):
@@ -245,7 +297,7 @@ def _set_parent_death_signal() -> None:
 
 
 def _run_then_finish(tmp: str, expected: dict[type[BaseException], int],
-                     fn: Callable[..., Any], *args: Any) -> Any:
+                     stops: tuple[int, ...], fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)`, then the clean teardown of the process group `fn` set up (if any).
 
     A failure is written to `tmp/rank{r}.json` for the launcher, and the process ends at
@@ -256,11 +308,21 @@ def _run_then_finish(tmp: str, expected: dict[type[BaseException], int],
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_parent_death_signal()
+    parent = os.getppid()
+    for s in stops:  # fn's own handlers (a StopRequest) take the relays they know
+        signal.signal(relay_signal(s), _relay_default)
     try:
         value = fn(*args)
         from .engine.comm import collectives
 
         collectives.finish()
+        if _relayed or os.getppid() != parent:
+            # The launcher stops (or is gone): nobody reads `value`, and torchelastic's
+            # wrapper would wait for that read until the worker is killed.
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(0)
         return value
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit
         if isinstance(exc, SystemExit) and not exc.code:

@@ -50,17 +50,32 @@ class StopRequest:
                                            if extra else [])
         self.signum = 0
         self.when = 0.0  # time.time() of the first signal: ranks compare them
-        self._before: list[tuple[signal.Signals, Any]] = []
+        self._before: list[tuple[int, Any]] = []
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum:
             raise SignalStop(signum)
         self.signum, self.when = signum, time.time()
 
+    def _relayed(self, relay: int, frame: Any) -> None:
+        # The launcher passed a stop on ([Note: relayed stops] in shardwise/launch.py): the
+        # same request as the signal itself, which the worker may have had directly too, so
+        # never a second one.
+        from ..launch import note_relayed
+
+        signum = relay - int(signal.SIGRTMIN)
+        note_relayed(signum)
+        if not self.signum:
+            self.signum, self.when = signum, time.time()
+
     def __enter__(self) -> StopRequest:
+        from ..launch import relay_signal
+
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._before.append((s, signal.signal(s, self._handler)))
+                relay = relay_signal(s)
+                self._before.append((relay, signal.signal(relay, self._relayed)))
         return self
 
     def __exit__(self, *exc: object) -> None:
