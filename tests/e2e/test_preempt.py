@@ -129,3 +129,38 @@ def test_a_requeue_leaves_another_jobs_folder_alone(tmp_path: Path) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_srun_torchrun_stop_reaching_every_process_checkpoints_once(tmp_path: Path) -> None:
+    """`srun torchrun ... shardwise train`: Slurm's SIGTERM reaches every process of the step's
+    cgroup, torchrun's workers too, and torchrun's agent forwards its own to each worker: one
+    stop, twice to each worker, milliseconds apart ([Note: one stop by two routes] in
+    shardwise/train/preempt.py). It took the second as "stop now": the stop's checkpoint was
+    lost. Emulated here by signalling the agent and each worker at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "shardwise.cli", "train", "--name", "job", *ARGS],
+        cwd=tmp_path, env=clean_env(), text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)
+    run = tmp_path / "runs" / "job"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while rundir.last_step(run) < 5 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        workers = [int(pid) for pid in children
+                   if "shardwise.cli" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == 2, children
+        for pid in [proc.pid, *workers]:
+            os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=GRACE_S + 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stopped = rundir.last_step(run)
+    assert 5 <= stopped < STEPS, err
+    assert [s for s, _ in rundir.checkpoints(run)] == [stopped], err  # written at the stop
+    assert f"after step {stopped} of {STEPS}; checkpoint step-{stopped:07d} saved" in err, err
+    assert "(twice)" not in err, err

@@ -136,9 +136,12 @@ def worker(cfg: C.Config) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ..train.faults import FaultInjector
     from ..train.guard import EXIT_NONFINITE, NonFiniteError
-    from ..train.preempt import StopRequest
+    from ..train.preempt import StopRequest, unhandled_by_torchrun
     from ..train.trainer import run
 
+    lost = unhandled_by_torchrun(cfg.checkpoint.stop_signal)
+    if lost and os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: warning: {lost}", file=sys.stderr, flush=True)
     try:
         # SIGTERM (and checkpoint.stop_signal) now ask for a checkpoint and a stop after the
         # step; the e2e fault tests ask through SHARDWISE_TEST_* (None otherwise).

@@ -10,12 +10,22 @@ the same step, however many of them got the signal; they all finish that step, w
 checkpoint and return (trainer.run). A second signal while the step finishes stops the rank
 at once (`SignalStop`), as Ctrl-C does.
 
+[Note: one stop by two routes] Under torchrun inside an srun step, Slurm signals every process
+of the step's cgroup (scancel, the time limit), torchrun's workers included, and torchrun's
+agent forwards the SIGTERM it got to each worker as SIGTERM: every worker gets the one stop
+twice, milliseconds apart, and took the second as "stop now" (the stop's checkpoint lost). A
+handler cannot tell who sent a signal, so under a torchelastic agent the same signal again
+within DUPLICATE_S of the first is taken as that first one arriving by its other route. A
+stop meant twice comes later than that, or as SIGINT or SIGKILL. (shardwise's own `--nproc`
+launcher passes a stop on as a relay instead: [Note: relayed stops] in shardwise/launch.py.)
+
 The handlers are the command's (commands/train.py installs them around the run): a library
 user's script keeps its own signal handling.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -24,6 +34,10 @@ from typing import Any
 # Signals `checkpoint.stop_signal` may name: the ones sbatch --signal is used with, whose
 # default action would end the process without a checkpoint.
 STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGALRM")
+
+# [Note: one stop by two routes]: torchrun's agent forwards the signal within its monitor
+# interval (0.1 s); a loaded machine can take a second more.
+DUPLICATE_S = 3.0
 
 
 def signal_name(value: str) -> str:
@@ -50,12 +64,18 @@ class StopRequest:
                                            if extra else [])
         self.signum = 0
         self.when = 0.0  # time.time() of the first signal: ranks compare them
+        self._first = 0.0  # time.monotonic() of the first signal
         self._before: list[tuple[int, Any]] = []
+        # [Note: one stop by two routes]: a parent that forwards the signals it gets.
+        self._forwarded = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum:
+            if (self._forwarded and signum == self.signum
+                    and time.monotonic() - self._first < DUPLICATE_S):
+                return  # the same stop by its other route
             raise SignalStop(signum)
-        self.signum, self.when = signum, time.time()
+        self.signum, self.when, self._first = signum, time.time(), time.monotonic()
 
     def _relayed(self, relay: int, frame: Any) -> None:
         # The launcher passed a stop on ([Note: relayed stops] in shardwise/launch.py): the
@@ -66,7 +86,7 @@ class StopRequest:
         signum = relay - int(signal.SIGRTMIN)
         note_relayed(signum)
         if not self.signum:
-            self.signum, self.when = signum, time.time()
+            self.signum, self.when, self._first = signum, time.time(), time.monotonic()
 
     def __enter__(self) -> StopRequest:
         from ..launch import relay_signal
@@ -82,6 +102,33 @@ class StopRequest:
         for s, before in reversed(self._before):
             signal.signal(s, before)
         self._before.clear()
+
+
+# torchrun's default `--signals-to-handle`: what its agent catches and passes on.
+TORCHRUN_HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def unhandled_by_torchrun(extra: str) -> str:
+    """Under torchrun, why a `checkpoint.stop_signal` its agent does not handle would lose the
+    stop ("" when it does, or when this is not torchrun's worker).
+
+    Slurm's `--signal` reaches every process of the step, torchrun's agent too, and a signal
+    the agent does not handle takes its default action there: the agent ends, and Slurm ends
+    the step's other processes with it, the workers that were writing the stop's checkpoint.
+    """
+    from ..launch import WORKER_ENV
+
+    name = signal_name(extra)
+    if not name or not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(WORKER_ENV):
+        return ""  # (shardwise's own launcher handles its stop signals itself)
+    handled = [signal_name(n) for n in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                                       TORCHRUN_HANDLED).split(",") if n.strip()]
+    if name in handled:
+        return ""
+    return (f"checkpoint.stop_signal={name}: torchrun's agent does not handle {name}, so the "
+            f"{name} that Slurm's --signal sends to every process of the step ends the agent, "
+            "and the step with it, before the stop's checkpoint is written; start torchrun "
+            f"with --signals-to-handle {','.join([*handled, name])}")
 
 
 def first_request(rows: list[tuple[float, float]]) -> tuple[int, int] | None:
