@@ -57,7 +57,9 @@ class SignalStop(BaseException):
 
 class StopRequest:
     """While active (main thread only), SIGTERM and `extra` (a name from STOP_SIGNALS, or "")
-    set `signum` and `when` instead of ending the process; a second one raises SignalStop."""
+    set `signum` and `when` instead of ending the process; a second one raises SignalStop
+    (under a torchelastic agent, not the same signal within DUPLICATE_S: [Note: one stop by
+    two routes])."""
 
     def __init__(self, extra: str = "") -> None:
         self.signals = [signal.SIGTERM] + ([signal.Signals[signal_name(extra)]]
