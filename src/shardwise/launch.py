@@ -30,6 +30,17 @@ the launcher is shutting down it no longer reads the workers' results, while tor
 worker wrapper waits for that read after the function returns: a worker that got a relay
 ends its process as soon as its function returned (the checkpoint written) instead of
 waiting there until `grace_s` ran out and it was killed (25 s of a 30 s KillWait).
+
+[Note: forked workers] Each spawned worker starts a new interpreter and imports torch and
+shardwise again: 2-3 s of CPU per worker before its first line, most of a short run's wall
+time on a small machine (a 3-step tiny run: 7.2 s; 14-21 s beside a test suite). The launcher
+has imported all of it already, so on Linux its workers are forked from it instead, as
+PyTorch's own multi-process tests start theirs, but only where a fork is sound: no CUDA
+(the CUDA runtime does not survive a fork; GPU runs spawn, as before) and no thread the
+launcher started since it imported this module (an OpenMP pool that a fork leaves behind
+would hang the child's first parallel region). A forked worker does not inherit the
+launcher's signal dispositions: it resets them first thing (`_run_then_finish`), and the
+launcher's handler does nothing in a worker that got a signal before that.
 """
 
 from __future__ import annotations
@@ -54,6 +65,33 @@ from typing import Any
 from .engine.comm.process_group import free_port
 
 log = logging.getLogger(__name__)
+
+
+def _os_threads() -> int:
+    """This process's OS threads (Linux; 0 where /proc cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+# [Note: forked workers]: the threads the process had once torch was imported (this module
+# imports it through free_port's module); one started after this is a reason to spawn.
+_THREADS_AT_IMPORT = _os_threads()
+
+
+def start_method() -> str:
+    """How `launch` starts its workers: "fork" where that is sound, else "spawn"
+    ([Note: forked workers])."""
+    if os.environ.get("SHARDWISE_START_METHOD") in ("fork", "spawn"):
+        return os.environ["SHARDWISE_START_METHOD"]
+    if sys.platform != "linux" or not _THREADS_AT_IMPORT:
+        return "spawn"
+    import torch
+
+    if torch.cuda.is_available() or _os_threads() > _THREADS_AT_IMPORT:
+        return "spawn"
+    return "fork"
 
 WORKER_ENV = "SHARDWISE_WORKER"
 
@@ -162,7 +200,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method="spawn",
+        monitor_interval=0.1, start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), **options)
     sigint = _Sigint(stops)
     env_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
@@ -196,10 +234,13 @@ class _Sigint:
         self.received = 0
         self.stops = stops
         self._before: list[tuple[int, Any]] = []
+        self._pid = os.getpid()
 
     def _handler(self, signum: int, frame: Any) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        if os.getpid() != self._pid:
+            return  # a forked worker before it set its own ([Note: forked workers])
         if self.received:
             return  # a second signal while the workers are being stopped
         self.received = signum
@@ -310,6 +351,8 @@ def _run_then_finish(tmp: str, expected: dict[type[BaseException], int],
     _set_parent_death_signal()
     parent = os.getppid()
     for s in stops:  # fn's own handlers (a StopRequest) take the relays they know
+        # (A forked worker had the launcher's handler: [Note: forked workers].)
+        signal.signal(s, signal.SIG_DFL)
         signal.signal(relay_signal(s), _relay_default)
     try:
         value = fn(*args)

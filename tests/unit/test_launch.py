@@ -46,3 +46,30 @@ def test_expected_errors_are_one_line_and_crashes_carry_a_traceback() -> None:
     e = info.value
     assert (e.rank, e.exit_code, e.message) == (0, 1, "KeyError: 'unexpected'")
     assert e.traceback.startswith("Traceback") and "_crash_on_rank_0" in e.traceback
+
+
+def test_workers_fork_only_from_a_launcher_without_new_threads() -> None:
+    """[Note: forked workers]: fork on Linux without CUDA while the launcher has started no
+    thread since it imported the launcher (an OpenMP pool a fork leaves behind would hang
+    the child's first parallel region); spawn otherwise, or as SHARDWISE_START_METHOD says."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from shardwise.launch import launch, start_method\n"
+        "first = start_method()\n"
+        "pids = launch(__import__('os').getpid, 2)\n"
+        "torch.set_num_threads(2)\n"
+        "torch.randn(1_000_000).mul(2).sum()  # starts an OpenMP worker thread\n"
+        "print(first, start_method(), len(set(pids)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDWISE_START_METHOD"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fork", "spawn", "2"], out.stdout + out.stderr
+    forced = subprocess.run(
+        [sys.executable, "-c", "from shardwise.launch import start_method; print(start_method())"],
+        env={**env, "SHARDWISE_START_METHOD": "spawn"}, capture_output=True, text=True,
+        timeout=300)
+    assert forced.stdout.split() == ["spawn"], forced.stdout + forced.stderr
