@@ -82,6 +82,20 @@ def run_distributed(
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return each rank's value."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
+    try:
+        return _run_once(fn, world_size, args, timeout_s, collective_timeout_s, env, backend)
+    except DistributedError as e:
+        # free_port's port is free when picked; another process's outgoing connection can
+        # take it (an ephemeral port) before rank 0's store binds it. Then no rank ran `fn`
+        # (the store is the group's first step): once more, on another port.
+        if "EADDRINUSE" not in str(e):
+            raise
+    return _run_once(fn, world_size, args, timeout_s, collective_timeout_s, env, backend)
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+              timeout_s: float, collective_timeout_s: float, env: dict[str, str] | None,
+              backend: str) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
