@@ -168,7 +168,8 @@ def workers_ignore_sigint() -> Iterator[None]:
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0,
            expected: dict[type[BaseException], int] | None = None,
-           stop_signals: tuple[str, ...] = (), grace_s: int = 10) -> list[Any]:
+           stop_signals: tuple[str, ...] = (), grace_s: int = 10,
+           fresh: bool = False) -> list[Any]:
     """Run `fn(*args)` on `nproc` local worker processes; return their values by rank.
 
     expected: exception types a worker raises on purpose -> the exit status they mean; such
@@ -176,6 +177,9 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
     stop_signals: signal names besides SIGTERM, SIGHUP and SIGQUIT that the launcher passes
     on to the workers (then raises `Interrupted`); grace_s: how long workers may take to end
     after such a signal before they are killed.
+    fresh: spawn new interpreters even where workers would be forked ([Note: forked
+    workers]): a measurement of a fresh process (its memory) must not start from the
+    launcher's pages.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r} must be a positive integer")
@@ -200,7 +204,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int = 0
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"shardwise-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method=start_method(),
+        monitor_interval=0.1, start_method="spawn" if fresh else start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")), **options)
     sigint = _Sigint(stops)
     env_before = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")

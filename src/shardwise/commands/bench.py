@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
             print("measuring peak memory, each system in fresh processes ...", file=sys.stderr,
                   flush=True)
             for name in systems:
-                mem = launch(memory_worker, args.nproc, bc, name)
+                mem = launch(memory_worker, args.nproc, bc, name, fresh=True)
                 row = out["systems"][name]
                 row["peak_rss_bytes"] = max(m["peak_rss"] for m in mem)
                 row["rss_growth_bytes"] = max(m["rss_growth"] for m in mem)
